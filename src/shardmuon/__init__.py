@@ -1,0 +1,18 @@
+"""shardmuon: Muon for PyTorch that reads its distribution from DTensor placements."""
+
+from shardmuon.newton_schulz import (
+    NS_PRESETS,
+    newton_schulz,
+    newton_schulz_reference,
+    newton_schulz_unfolded,
+    resolve_coefficients,
+)
+
+__all__ = [
+    "NS_PRESETS",
+    "newton_schulz",
+    "newton_schulz_reference",
+    "newton_schulz_unfolded",
+    "resolve_coefficients",
+]
+__version__ = "0.1.0"

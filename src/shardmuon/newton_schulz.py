@@ -1,0 +1,204 @@
+"""Newton–Schulz orthogonalization: the pure math, on plain tensors.
+
+``newton_schulz`` maps a batch of matrices ``G[..., m, n]`` to an approximation of the
+orthogonal polar factor ``U V^T`` of each matrix (its singular values pushed towards 1)
+with a quintic iteration ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``.
+
+Precision: the iteration runs in bfloat16 on ``[..., min, max]`` matrices (tall ones
+are transposed so that the Gram matrix ``A`` is the small one). Each line of the
+iteration is one GEMM with the scale-and-add folded in (``baddbmm``), so each line
+rounds to bf16 once instead of three times (``A @ A`` rounded, ``c * .`` rounded,
+``+ b A`` rounded). The Frobenius normalisation is computed in float32. Together this
+roughly halves the distance to an fp64 iteration with the same coefficients
+(see ``docs/benchmarks.md``).
+
+``newton_schulz_unfolded`` is the textbook bf16 recipe (dion's), kept for the benchmark
+and for tests; ``newton_schulz_reference`` is the float64 reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "NS_PRESETS",
+    "Coefficients",
+    "newton_schulz",
+    "newton_schulz_reference",
+    "newton_schulz_unfolded",
+    "resolve_coefficients",
+]
+
+Coefficients = tuple[tuple[float, float, float], ...]
+
+# dion's quintic schedule (microsoft/dion, dion/newton_schulz_triton.py
+# zeropower_via_newtonschulz5; samsja/dion@3c4bce5 dion/muon.py), one triple per iteration.
+_DION: Coefficients = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+# Keller Jordan's quintic (KellerJordan/Muon, muon.py), repeated 5 times.
+_KELLER: Coefficients = ((3.4445, -4.7750, 2.0315),) * 5
+# DeepSeek-V4: 8 Keller steps to converge fast, then 2 steps of the cubic-like
+# (2, -1.5, 0.5) that pull singular values to 1 (0.998-1.003 measured in the seed PR).
+_DEEPSEEK_V4: Coefficients = ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
+# Polar Express, 5 steps: Amsel, Persson, Musco, Gower, "The Polar Express: Optimal
+# Matrix Sign Methods and Their Application to the Muon Algorithm", arXiv:2505.16932
+# (2025); the set computed for num_iters=5, safety_factor=2e-2, cushion=2, as shipped
+# by microsoft/dion (dion/polar_express.py).
+_POLAR_EXPRESS: Coefficients = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+NS_PRESETS: dict[str, Coefficients] = {
+    "dion": _DION,
+    "keller": _KELLER,
+    "deepseek-v4": _DEEPSEEK_V4,
+    "polar-express": _POLAR_EXPRESS,
+}
+DEFAULT_PRESET = "dion"
+
+
+def resolve_coefficients(spec: str | Sequence[Sequence[float]] | None) -> Coefficients:
+    """Turn a preset name, a list of ``(a, b, c)`` triples or ``None`` into a checked tuple.
+
+    ``None`` means the ``"dion"`` preset. Raises ``ValueError`` for an unknown preset, an
+    empty list, an entry that is not a triple, or a non-finite coefficient, and
+    ``TypeError`` for a value that is not a string or a sequence.
+    """
+    if spec is None:
+        return NS_PRESETS[DEFAULT_PRESET]
+    if isinstance(spec, str):
+        if spec not in NS_PRESETS:
+            raise ValueError(
+                f"unknown Newton-Schulz preset {spec!r}; accepted presets: "
+                f"{', '.join(sorted(NS_PRESETS))}, or a list of (a, b, c) triples"
+            )
+        return NS_PRESETS[spec]
+    if isinstance(spec, Tensor) or not isinstance(spec, Sequence):
+        raise TypeError(
+            "newton_schulz_coefficients must be a preset name or a list of (a, b, c) "
+            f"triples, got {type(spec).__name__}"
+        )
+    if len(spec) == 0:
+        raise ValueError(
+            "newton_schulz_coefficients is empty; give at least one (a, b, c) triple "
+            "or a preset name"
+        )
+    triples = []
+    for i, entry in enumerate(spec):
+        if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 3:
+            raise ValueError(
+                f"newton_schulz_coefficients[{i}] must be an (a, b, c) triple of numbers, "
+                f"got {entry!r}"
+            )
+        try:
+            triple = tuple(float(v) for v in entry)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"newton_schulz_coefficients[{i}] must hold numbers, got {entry!r}"
+            ) from None
+        if not all(math.isfinite(v) for v in triple):
+            raise ValueError(
+                f"newton_schulz_coefficients[{i}] must be finite, got {triple!r}"
+            )
+        triples.append(triple)
+    return tuple(triples)
+
+
+def _as_wide(X: Tensor) -> tuple[Tensor, bool]:
+    """Return ``X`` with its last two dims ordered ``(min, max)`` and whether it was transposed."""
+    transposed = X.size(-2) > X.size(-1)
+    return (X.mT if transposed else X), transposed
+
+
+def _as_batch3d(X: Tensor) -> tuple[Tensor, torch.Size]:
+    """View ``[..., m, n]`` as ``[B, m, n]`` (``baddbmm`` takes exactly 3-D)."""
+    return X.reshape(-1, X.size(-2), X.size(-1)), X.shape
+
+
+def _check_matrix(G: Tensor) -> None:
+    if G.dim() < 2:
+        raise ValueError(
+            f"newton_schulz needs a matrix or a batch of matrices [..., m, n], got shape "
+            f"{tuple(G.shape)}"
+        )
+
+
+def newton_schulz(
+    G: Tensor,
+    coefficients: str | Sequence[Sequence[float]] | None = None,
+    eps: float = 1e-8,
+) -> Tensor:
+    """Orthogonalize each matrix of ``G[..., m, n]`` in bfloat16; returns bf16 ``[..., m, n]``.
+
+    ``X = G / (||G||_F + eps)`` (norm in float32, per matrix), then for each ``(a, b, c)``:
+    ``A = X X^T``; ``B = b A + c A A``; ``X = a X + B X``, the last two each a single
+    ``baddbmm`` with one bf16 rounding. Any float dtype is accepted as input; matrices of
+    one call are processed as one batch, so stack same-shape matrices before calling.
+    Results do not depend on which other matrices share the batch (each GEMM of a batch
+    is an independent matrix product).
+    """
+    _check_matrix(G)
+    coeffs = resolve_coefficients(coefficients)
+    if G.numel() == 0:
+        return G.to(torch.bfloat16)
+    X, transposed = _as_wide(G)
+    X32 = X.float()
+    norm = torch.linalg.vector_norm(X32, dim=(-2, -1), keepdim=True)
+    X = (X32 / (norm + eps)).to(torch.bfloat16)
+    X, shape = _as_batch3d(X)
+    for a, b, c in coeffs:
+        A = torch.bmm(X, X.mT)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
+    X = X.reshape(shape)
+    return X.mT if transposed else X
+
+
+def newton_schulz_unfolded(
+    G: Tensor,
+    coefficients: str | Sequence[Sequence[float]] | None = None,
+    eps: float = 1e-8,
+) -> Tensor:
+    """dion's bf16 recipe, unfolded: bf16 norm, ``A@A`` and ``B@X`` rounded before the adds.
+
+    Same contract as :func:`newton_schulz`. Kept as the benchmark baseline and to show in
+    tests that folding is closer to the float64 reference.
+    """
+    _check_matrix(G)
+    coeffs = resolve_coefficients(coefficients)
+    X, transposed = _as_wide(G.to(torch.bfloat16))
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    for a, b, c in coeffs:
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X.mT if transposed else X
+
+
+def newton_schulz_reference(
+    G: Tensor,
+    coefficients: str | Sequence[Sequence[float]] | None = None,
+    eps: float = 1e-8,
+) -> Tensor:
+    """The same iteration in float64 with no bf16 casts; returns float64 ``[..., m, n]``."""
+    _check_matrix(G)
+    coeffs = resolve_coefficients(coefficients)
+    X, transposed = _as_wide(G.to(torch.float64))
+    X = X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) + eps)
+    for a, b, c in coeffs:
+        A = X @ X.mT
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return X.mT if transposed else X
