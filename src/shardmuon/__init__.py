@@ -7,9 +7,13 @@ from shardmuon.newton_schulz import (
     newton_schulz_unfolded,
     resolve_coefficients,
 )
+from shardmuon.optimizer import AdamWChunk, Muon, StepStats
 
 __all__ = [
     "NS_PRESETS",
+    "AdamWChunk",
+    "Muon",
+    "StepStats",
     "newton_schulz",
     "newton_schulz_reference",
     "newton_schulz_unfolded",

@@ -110,9 +110,7 @@ def resolve_coefficients(spec: str | Sequence[Sequence[float]] | None) -> Coeffi
                 f"newton_schulz_coefficients[{i}] must hold numbers, got {entry!r}"
             ) from None
         if not all(math.isfinite(v) for v in triple):
-            raise ValueError(
-                f"newton_schulz_coefficients[{i}] must be finite, got {triple!r}"
-            )
+            raise ValueError(f"newton_schulz_coefficients[{i}] must be finite, got {triple!r}")
         triples.append(triple)
     return tuple(triples)
 

@@ -1,0 +1,23 @@
+"""Benchmarks behind ``shardmuon bench``: ``step`` (optimizer step), ``ns`` (Newton–Schulz),
+``ab`` (update accuracy against a float64 Muon). See ``docs/benchmarks.md``."""
+
+from __future__ import annotations
+
+__all__ = ["SUBCOMMANDS", "add_parser"]
+
+SUBCOMMANDS = ("step", "ns", "ab")
+
+
+def add_parser(subparsers) -> None:
+    """Register ``bench`` and its sub-commands on ``subparsers`` (argparse sub-parsers)."""
+    from shardmuon.bench import ab, ns, step
+
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmarks: step (default), ns, ab",
+        description="Benchmarks. With no sub-command, runs `step`.",
+    )
+    sub = bench.add_subparsers(dest="bench_command", metavar="{step,ns,ab}")
+    step.add_parser(sub)
+    ns.add_parser(sub)
+    ab.add_parser(sub)

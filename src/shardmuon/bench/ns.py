@@ -1,0 +1,258 @@
+"""``shardmuon bench ns``: Newton–Schulz per call, folded (``baddbmm``) vs unfolded (dion's).
+
+For each shape and coefficient preset: milliseconds per call of both, the speed-up, the
+achieved TFLOP/s of the folded one, that rate as a fraction of a plain bf16 GEMM measured
+in the same run, and the relative error of both against the float64 iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from shardmuon.bench.report import (
+    environment,
+    fmt,
+    median_time,
+    new_progress,
+    print_table,
+    save_plot,
+    write_json,
+)
+from shardmuon.newton_schulz import (
+    NS_PRESETS,
+    newton_schulz,
+    newton_schulz_reference,
+    newton_schulz_unfolded,
+)
+
+__all__ = [
+    "CPU_SHAPES",
+    "GPU_SHAPES",
+    "add_parser",
+    "gemm_flops",
+    "newton_schulz_flops",
+    "parse_shapes",
+    "run",
+]
+
+# The seed PR's shapes (H200 timings there), and the same family scaled down for a CPU:
+# matrix dims / 4 (the last one / 8) and smaller batches, keeping two with min dim >= 512.
+GPU_SHAPES: tuple[tuple[int, ...], ...] = (
+    (32, 768, 2048),
+    (16, 2048, 768),
+    (16, 1408, 4096),
+    (8, 2048, 6144),
+    (6144, 16384),
+)
+CPU_SHAPES: tuple[tuple[int, ...], ...] = (
+    (8, 192, 512),
+    (4, 512, 192),
+    (4, 352, 1024),
+    (2, 512, 1536),
+    (768, 2048),
+)
+
+
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """Parse ``"8x256x512,1024x2048"`` into ``[(8, 256, 512), (1024, 2048)]``.
+
+    Each shape is ``[batch x] rows x cols`` with positive ints; raises ``ValueError`` otherwise.
+    """
+    shapes = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            dims = tuple(int(d) for d in item.lower().split("x"))
+        except ValueError:
+            dims = ()
+        if len(dims) not in (2, 3) or any(d < 1 for d in dims):
+            raise ValueError(
+                f"bad shape {item!r} in --shapes {text!r}; accepted: ROWSxCOLS or "
+                "BATCHxROWSxCOLS with positive ints, comma-separated (e.g. 8x256x512,1024x2048)"
+            )
+        shapes.append(dims)
+    return shapes
+
+
+def parse_presets(text: str) -> list[str]:
+    """Parse ``"dion,deepseek-v4"``; raises ``ValueError`` for an unknown preset name."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in NS_PRESETS]
+    if not names or unknown:
+        raise ValueError(
+            f"bad --presets {text!r}; accepted: a comma-separated subset of {', '.join(NS_PRESETS)}"
+        )
+    return names
+
+
+def _dims(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    batch = shape[0] if len(shape) == 3 else 1
+    m, n = sorted(shape[-2:])
+    return batch, m, n
+
+
+def newton_schulz_flops(shape: tuple[int, ...], iterations: int) -> float:
+    """FLOPs of one call: per matrix ``[m, n]`` with ``m <= n``, ``4 m^2 n + 2 m^3`` per iteration.
+
+    (``X X^T``: ``2 m^2 n``; ``A A``: ``2 m^3``; ``B X``: ``2 m^2 n``; the adds are ignored.)
+    """
+    batch, m, n = _dims(shape)
+    return float(batch) * iterations * (4 * m * m * n + 2 * m**3)
+
+
+def gemm_flops(shape: tuple[int, ...]) -> float:
+    """FLOPs of the Gram GEMM ``X X^T`` (``2 m^2 n`` per matrix), the reference GEMM here."""
+    batch, m, n = _dims(shape)
+    return 2.0 * batch * m * m * n
+
+
+def _relative_error(approx: torch.Tensor, ref: torch.Tensor) -> float:
+    approx = approx.double()
+    return float(torch.linalg.vector_norm(approx - ref) / torch.linalg.vector_norm(ref))
+
+
+def measure_shape(
+    shape: tuple[int, ...], preset: str, device: torch.device, repeats: int, seed: int
+) -> dict[str, Any]:
+    """All figures of one (shape, preset) row; see the module docstring."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    G = torch.randn(shape, generator=gen, dtype=torch.float32).to(device)
+    iterations = len(NS_PRESETS[preset])
+    folded_s = median_time(lambda: newton_schulz(G, preset), device, repeats)
+    unfolded_s = median_time(lambda: newton_schulz_unfolded(G, preset), device, repeats)
+    X = G.to(torch.bfloat16).reshape(-1, G.size(-2), G.size(-1))
+    if X.size(-2) > X.size(-1):
+        X = X.mT
+    Xt = X.mT.contiguous()
+    gemm_s = median_time(lambda: torch.bmm(X, Xt), device, repeats)
+    ref = newton_schulz_reference(G, preset)
+    flops = newton_schulz_flops(shape, iterations)
+    gemm_rate = gemm_flops(shape) / gemm_s
+    folded_rate = flops / folded_s
+    return {
+        "shape": list(shape),
+        "preset": preset,
+        "iterations": iterations,
+        "folded_ms": folded_s * 1e3,
+        "unfolded_ms": unfolded_s * 1e3,
+        "speedup": unfolded_s / folded_s,
+        "folded_tflops": folded_rate / 1e12,
+        "unfolded_tflops": flops / unfolded_s / 1e12,
+        "gemm_tflops": gemm_rate / 1e12,
+        "fraction_of_gemm": folded_rate / gemm_rate,
+        "rel_error_folded": _relative_error(newton_schulz(G, preset), ref),
+        "rel_error_unfolded": _relative_error(newton_schulz_unfolded(G, preset), ref),
+    }
+
+
+def add_parser(subparsers) -> None:
+    """Register ``ns`` on ``subparsers`` (an argparse sub-parsers action)."""
+    p = subparsers.add_parser(
+        "ns",
+        help="Newton-Schulz per call: folded vs unfolded, TFLOP/s, error vs fp64",
+        description=__doc__,
+    )
+    p.add_argument(
+        "--shapes",
+        type=str,
+        default=None,
+        help="comma-separated [BATCHx]ROWSxCOLS (default: the seed's shapes on GPU, "
+        "a scaled-down set on CPU)",
+    )
+    p.add_argument(
+        "--presets",
+        type=str,
+        default="dion",
+        help=f"comma-separated coefficient presets among {', '.join(NS_PRESETS)} (default: dion)",
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per figure (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--json", type=str, default=None, help="write all figures to this JSON file")
+    p.add_argument("--plot", type=str, default=None, help="write a PNG bar chart here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but CUDA is not available; use cpu or auto")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark from parsed arguments; returns the exit code."""
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    device = _device(args.device)
+    if args.shapes is None:
+        shapes = list(GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
+    else:
+        shapes = parse_shapes(args.shapes)
+    presets = parse_presets(args.presets)
+
+    rows: list[dict[str, Any]] = []
+    with new_progress(not args.no_progress) as progress:
+        task = (
+            progress.add_task("Newton-Schulz", total=len(shapes) * len(presets))
+            if progress
+            else None
+        )
+        for preset in presets:
+            for shape in shapes:
+                rows.append(measure_shape(shape, preset, device, args.repeats, args.seed))
+                if progress:
+                    progress.advance(task)
+
+    print_table(
+        f"Newton-Schulz per call ({device.type}, {torch.get_num_threads()} threads)",
+        [
+            "shape",
+            "preset",
+            "folded ms",
+            "unfolded ms",
+            "speed-up",
+            "TFLOP/s",
+            "of GEMM",
+            "err folded",
+            "err unfolded",
+        ],
+        [
+            [
+                "x".join(map(str, r["shape"])),
+                r["preset"],
+                fmt(r["folded_ms"], ".2f"),
+                fmt(r["unfolded_ms"], ".2f"),
+                fmt(r["speedup"], ".2f", "x"),
+                fmt(r["folded_tflops"], ".3f"),
+                fmt(100 * r["fraction_of_gemm"], ".0f", "%"),
+                fmt(100 * r["rel_error_folded"], ".2f", "%"),
+                fmt(100 * r["rel_error_unfolded"], ".2f", "%"),
+            ]
+            for r in rows
+        ],
+        caption="TFLOP/s and 'of GEMM' are for the folded version; errors are "
+        "||NS - NS_fp64|| / ||NS_fp64||.",
+    )
+    if args.json:
+        write_json(args.json, {"benchmark": "ns", "environment": environment(), "results": rows})
+    if args.plot:
+        save_plot(args.plot, lambda ax: _draw(ax, rows), "Newton-Schulz per call")
+    return 0
+
+
+def _draw(ax, rows: list[dict[str, Any]]) -> None:
+    labels = [f"{'x'.join(map(str, r['shape']))}\n{r['preset']}" for r in rows]
+    xs = range(len(rows))
+    width = 0.4
+    ax.bar([x - width / 2 for x in xs], [r["unfolded_ms"] for r in rows], width, label="unfolded")
+    ax.bar([x + width / 2 for x in xs], [r["folded_ms"] for r in rows], width, label="folded")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("ms per call")
+    ax.set_yscale("log")
+    ax.legend()

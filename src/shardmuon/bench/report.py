@@ -1,0 +1,171 @@
+"""Output of the benchmarks: rich tables, JSON with the environment, matplotlib plots, progress.
+
+Tables go to stdout; progress bars and notes go to stderr so that stdout stays the result.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "environment",
+    "fmt",
+    "median_time",
+    "new_progress",
+    "print_table",
+    "save_plot",
+    "stderr_console",
+    "synchronize",
+    "write_json",
+]
+
+
+def _console(stderr: bool):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def stderr_console():
+    """A rich console on stderr, for notes and progress."""
+    return _console(stderr=True)
+
+
+def environment(world_size: int = 1, threads: int | None = None) -> dict[str, Any]:
+    """What a figure depends on: versions, device, threads, world size, command line, date."""
+    import shardmuon
+
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name(0)
+        device_type = "cuda"
+    else:
+        device = platform.processor() or platform.machine()
+        device_type = "cpu"
+    return {
+        "shardmuon": shardmuon.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device_type": device_type,
+        "device": device,
+        "cpu_count": os.cpu_count(),
+        "threads": threads if threads is not None else torch.get_num_threads(),
+        "world_size": world_size,
+        "command": shlex.join(["shardmuon", *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` as indented JSON (non-finite floats become ``null``); returns the path."""
+    out = Path(path)
+    if out.parent and not out.parent.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_jsonable(payload), indent=2) + "\n")
+    return out
+
+
+def fmt(value: float | None, spec: str = ".3g", suffix: str = "") -> str:
+    """Format a number for a table cell; ``None`` / NaN show as ``-``."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:{spec}}{suffix}"
+
+
+def print_table(
+    title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], caption: str | None = None
+) -> None:
+    """Print a rich table to stdout; first column left-aligned, the rest right-aligned."""
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption, caption_justify="left")
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    _console(stderr=False).print(table)
+
+
+def new_progress(enabled: bool = True):
+    """A rich progress bar on stderr (a no-op context when ``enabled`` is false).
+
+    Use as ``with new_progress() as progress: task = progress.add_task(...)``; when
+    disabled, the returned object is ``None``.
+    """
+    if not enabled:
+        return nullcontext(None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=stderr_console(),
+        transient=True,
+    )
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so that wall-clock time covers it (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(
+    fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 1
+) -> float:
+    """Median wall-clock seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def save_plot(path: str | os.PathLike, draw: Callable[[Any], None], title: str) -> Path:
+    """Draw with ``draw(ax)`` on a fresh Agg figure and save it as PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(path)
+    if out.parent and not out.parent.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    draw(ax)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, format="png", dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,70 @@
+"""The ``shardmuon`` command line: ``shardmuon bench [step|ns|ab]`` and, when the training
+package provides it, ``shardmuon train``.
+
+Bad arguments exit with status 2 and a one-line message (argparse's convention), never a
+traceback: the commands raise ``ValueError`` for invalid values and :func:`main` reports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from shardmuon.bench import SUBCOMMANDS
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every available sub-command registered."""
+    from shardmuon.bench import add_parser as add_bench
+
+    parser = argparse.ArgumentParser(
+        prog="shardmuon",
+        description="Muon for PyTorch that distributes its work from DTensor placements.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{bench,train}")
+    add_bench(sub)
+    _add_train(sub)
+    return parser
+
+
+def _add_train(subparsers) -> None:
+    # The training command lives in its own package (shardmuon.train.cli) and registers
+    # itself with add_parser(subparsers); the CLI works without it.
+    try:
+        module = importlib.import_module("shardmuon.train.cli")
+    except ModuleNotFoundError as err:
+        if err.name not in ("shardmuon.train", "shardmuon.train.cli"):
+            raise
+        return
+    module.add_parser(subparsers)
+
+
+def _default_bench_command(argv: list[str]) -> list[str]:
+    """``shardmuon bench [options]`` means ``shardmuon bench step [options]``."""
+    if argv and argv[0] == "bench":
+        rest = argv[1:]
+        if not rest or (rest[0] not in SUBCOMMANDS and rest[0] not in ("-h", "--help")):
+            return ["bench", "step", *rest]
+    return argv
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code."""
+    argv = _default_bench_command(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(func(args) or 0)
+    except ValueError as err:
+        # Validation of user input raises ValueError: report it the way argparse reports
+        # its own errors, without a traceback.
+        print(f"shardmuon: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,179 @@
+"""Validated optimizer config (the seed's ``optim.*`` fields) and ``build_optimizer``.
+
+:class:`MuonConfig` is a pydantic v2 model rather than a self-checking dataclass because
+the config it mirrors (prime-rl's ``optim.*`` section) is pydantic and arrives as parsed
+TOML/JSON/CLI values: pydantic turns ``"0.02"`` or ``[0.9, 0.95]`` into the right types,
+``extra="forbid"`` turns a misspelt key (``momentum`` for ``mu``) into an error instead of a
+silently ignored setting, and ``model_dump()``/``model_json_schema()`` come for free. The
+package already depends on pydantic. Every range check is a validator that raises
+``ValueError`` naming the field, the value given and what is accepted; pydantic wraps it in
+``pydantic.ValidationError``, which is itself a ``ValueError`` (so ``except ValueError``
+catches every bad config).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from torch import nn
+
+from shardmuon.newton_schulz import resolve_coefficients
+from shardmuon.routing import build_param_groups
+from shardmuon.update import ADJUST_LR_CHOICES
+
+if TYPE_CHECKING:
+    from shardmuon.optimizer import Muon
+
+__all__ = ["MuonConfig", "build_optimizer"]
+
+CoefficientSpec = str | list[tuple[float, float, float]] | None
+
+
+def _number(field_name: str, value: Any, accepted: str) -> float:
+    """``value`` as a float, or ValueError; bools are refused (``lr=True`` is a typo)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name} must be {accepted}, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{field_name} must be {accepted}, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{field_name} must be {accepted}, got {value!r}")
+    return number
+
+
+class MuonConfig(BaseModel):
+    """Muon hyperparameters; defaults are those of the ``shardmuon.Muon`` constructor.
+
+    ``newton_schulz_coefficients``: a preset name from ``shardmuon.NS_PRESETS``, a list of
+    ``(a, b, c)`` triples (one per iteration), or ``None`` for the ``"dion"`` preset.
+    A list is stored as a list of float triples; a name is kept as the name.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    lr: float = 0.01
+    mu: float = 0.95
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.01
+    epsilon: float = 1e-8
+    update_rms: float = 0.2
+    adjust_lr: str | None = "rms_norm"
+    newton_schulz_coefficients: CoefficientSpec = None
+    max_in_flight: int = 3
+
+    @field_validator("lr", "weight_decay", "epsilon", mode="before")
+    @classmethod
+    def _non_negative(cls, value: Any, info: ValidationInfo) -> float:
+        accepted = "a finite number >= 0"
+        number = _number(info.field_name, value, accepted)
+        if number < 0:
+            raise ValueError(f"{info.field_name} must be {accepted}, got {value!r}")
+        return number
+
+    @field_validator("mu", mode="before")
+    @classmethod
+    def _momentum(cls, value: Any) -> float:
+        accepted = "a number in [0, 1)"
+        number = _number("mu", value, accepted)
+        if not 0.0 <= number < 1.0:
+            raise ValueError(f"mu must be {accepted}, got {value!r}")
+        return number
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas(cls, value: Any) -> tuple[float, float]:
+        accepted = "a pair (beta1, beta2) of numbers in [0, 1)"
+        if (
+            isinstance(value, (str, bytes))
+            or not isinstance(value, (list, tuple))
+            or (len(value) != 2)
+        ):
+            raise ValueError(f"betas must be {accepted}, got {value!r}")
+        pair = tuple(_number("betas", beta, accepted) for beta in value)
+        if not all(0.0 <= beta < 1.0 for beta in pair):
+            raise ValueError(f"betas must be {accepted}, got {value!r}")
+        return pair
+
+    @field_validator("update_rms", mode="before")
+    @classmethod
+    def _update_rms(cls, value: Any) -> float:
+        accepted = "a finite number > 0"
+        number = _number("update_rms", value, accepted)
+        if number <= 0:
+            raise ValueError(f"update_rms must be {accepted}, got {value!r}")
+        return number
+
+    @field_validator("adjust_lr", mode="before")
+    @classmethod
+    def _adjust_lr(cls, value: Any) -> Any:
+        if value not in ADJUST_LR_CHOICES:
+            raise ValueError(f"adjust_lr must be one of {ADJUST_LR_CHOICES!r}, got {value!r}")
+        return value
+
+    @field_validator("newton_schulz_coefficients", mode="before")
+    @classmethod
+    def _coefficients(cls, value: Any) -> Any:
+        # resolve_coefficients raises the ValueError/TypeError that names the bad entry;
+        # re-raise TypeError as ValueError so pydantic reports it against this field.
+        try:
+            triples = resolve_coefficients(value)
+        except TypeError as err:
+            raise ValueError(str(err)) from None
+        if value is None or isinstance(value, str):
+            return value
+        return [tuple(t) for t in triples]
+
+    @field_validator("max_in_flight", mode="before")
+    @classmethod
+    def _max_in_flight(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {value!r}")
+        return value
+
+    def muon_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``shardmuon.Muon`` (everything but ``params``)."""
+        kwargs = self.model_dump()
+        kwargs["betas"] = tuple(kwargs["betas"])
+        return kwargs
+
+
+def build_optimizer(
+    model: nn.Module,
+    config: MuonConfig,
+    *,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    head_dim: int | None = None,
+    expert_mesh_name: str | None = None,
+    partition_fused: bool = True,
+) -> Muon:
+    """Route ``model.named_parameters()`` and build a ``shardmuon.Muon`` over the groups.
+
+    Routing and fused-weight partitions are :func:`shardmuon.routing.build_param_groups`'s;
+    the head counts switch on fused-QKV partitions. The model may already be wrapped
+    (FSDP2 ``fully_shard``, ``torch.compile``, DDP): names keep their meaning.
+    """
+    if not isinstance(config, MuonConfig):
+        raise TypeError(f"config must be a MuonConfig, got {type(config).__name__}")
+    from shardmuon.optimizer import Muon
+
+    routed = build_param_groups(
+        model.named_parameters(),
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        adjust_lr=config.adjust_lr,
+        expert_mesh_name=expert_mesh_name,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        partition_fused=partition_fused,
+    )
+    return Muon(
+        params=routed.groups,
+        matrix_partitions=routed.partitions or None,
+        **config.muon_kwargs(),
+    )

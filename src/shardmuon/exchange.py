@@ -1,0 +1,161 @@
+"""The paired all-to-all of one batch: shards to their owners, results back.
+
+Phase 1 (gather): every rank of the shard group sends its piece of matrix ``i`` to the
+owner of matrix ``i``, all in one ``all_to_all_single`` whose split sizes are the exact
+piece sizes (bf16). A rank that owns no matrix of the batch receives nothing; a piece of
+an empty shard has size 0. Nothing is padded and no dummy matrix exists.
+
+Phase 2 (the owner): concatenates the pieces in rank order into the whole matrix and
+orthogonalizes it (done by the caller, between the phases).
+
+Phase 3 (return): the owner cuts the result along the same boundaries and a second
+``all_to_all_single`` with the transposed split sizes sends each rank its piece back.
+
+Each rank owns at most one matrix of a batch (a batch has at most ``k`` matrices), so a
+rank's send buffer is just its pieces ordered by destination rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from shardmuon.layout import MatrixLayout, ShardGroup
+
+__all__ = ["BatchExchange", "ExchangeBytes", "warmup_groups"]
+
+_BF16_BYTES = 2
+
+
+@dataclass
+class ExchangeBytes:
+    """All-to-all payload bytes this rank sent to / received from other ranks."""
+
+    sent: int = 0
+    received: int = 0
+
+    def add(self, send_splits: list[int], recv_splits: list[int], me: int) -> None:
+        self.sent += _BF16_BYTES * (sum(send_splits) - send_splits[me])
+        self.received += _BF16_BYTES * (sum(recv_splits) - recv_splits[me])
+
+
+@dataclass
+class BatchExchange:
+    """One batch's gather/return pair on this rank.
+
+    ``owners[i]``: the owner (rank index in the group) of the ``i``-th matrix; ``pieces``
+    passed to :meth:`start_gather` are this rank's bf16 pieces of those matrices, in order.
+    """
+
+    layout: MatrixLayout
+    owners: tuple[int, ...]
+    traffic: ExchangeBytes
+    _work: dist.Work | None = field(default=None, repr=False)
+    _recv: Tensor | None = field(default=None, repr=False)
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def group(self) -> ShardGroup:
+        return self.layout.group
+
+    @property
+    def owned(self) -> int | None:
+        """Which matrix of the batch this rank owns, or ``None``."""
+        me = self.group.rank_index
+        return self.owners.index(me) if me in self.owners else None
+
+    def _piece_splits(self) -> list[int]:
+        """Per rank index: the size of its piece of the matrix this rank owns (or zeros)."""
+        if self.owned is None:
+            return [0] * self.group.size
+        return [self.layout.piece_numel(j) for j in range(self.group.size)]
+
+    def _own_piece_splits(self) -> list[int]:
+        """Per destination rank index: the size of this rank's piece it owns (or 0)."""
+        mine = self.layout.piece_numel(self.group.rank_index)
+        splits = [0] * self.group.size
+        for owner in self.owners:
+            splits[owner] = mine
+        return splits
+
+    def start_gather(self, pieces: list[Tensor]) -> None:
+        """Send each bf16 piece ``[local_rows, local_cols]`` to its owner (async)."""
+        self._order = sorted(range(len(self.owners)), key=lambda i: self.owners[i])
+        device = pieces[0].device if pieces else torch.device("cpu")
+        send = _flat_cat([pieces[i] for i in self._order], device)
+        send_splits = self._own_piece_splits()
+        recv_splits = self._piece_splits()
+        self._recv = torch.empty(sum(recv_splits), dtype=torch.bfloat16, device=device)
+        self._work = dist.all_to_all_single(
+            self._recv,
+            send,
+            output_split_sizes=recv_splits,
+            input_split_sizes=send_splits,
+            group=self.group.process_group,
+            async_op=True,
+        )
+        self.traffic.add(send_splits, recv_splits, self.group.rank_index)
+
+    def assemble(self) -> Tensor | None:
+        """Wait for the gather; return the owned whole matrix ``[rows, cols]`` (bf16) or None."""
+        self._work.wait()
+        if self.owned is None:
+            return None
+        splits = self._piece_splits()
+        chunks = self._recv.split(splits)
+        pieces = [c.view(self.layout.piece_shape(j)) for j, c in enumerate(chunks)]
+        return torch.cat(pieces, dim=self.layout.shard_axis)
+
+    def start_return(self, result: Tensor | None, device: torch.device) -> None:
+        """Send each rank its piece of the owned result (async); ``result`` None if not owner."""
+        if result is None:
+            send = torch.empty(0, dtype=torch.bfloat16, device=device)
+        else:
+            cuts = result.split(list(self.layout.piece_sizes), dim=self.layout.shard_axis)
+            send = _flat_cat(list(cuts), device)
+        send_splits = self._piece_splits()
+        recv_splits = self._own_piece_splits()
+        self._recv = torch.empty(sum(recv_splits), dtype=torch.bfloat16, device=device)
+        self._work = dist.all_to_all_single(
+            self._recv,
+            send,
+            output_split_sizes=recv_splits,
+            input_split_sizes=send_splits,
+            group=self.group.process_group,
+            async_op=True,
+        )
+        self.traffic.add(send_splits, recv_splits, self.group.rank_index)
+
+    def finish_return(self) -> list[Tensor]:
+        """Wait for the return; this rank's result pieces, in the matrices' order."""
+        self._work.wait()
+        shape = self.layout.piece_shape(self.group.rank_index)
+        numel = self.layout.piece_numel(self.group.rank_index)
+        if numel == 0:
+            return [self._recv.new_empty(shape) for _ in self.owners]
+        received = [chunk.view(shape) for chunk in self._recv.split(numel)]
+        out: list[Tensor] = [received[0]] * len(self.owners)
+        for position, i in enumerate(self._order):
+            out[i] = received[position]
+        return out
+
+
+def _flat_cat(tensors: list[Tensor], device: torch.device) -> Tensor:
+    if not tensors:
+        return torch.empty(0, dtype=torch.bfloat16, device=device)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def warmup_groups(groups: list[ShardGroup], device: torch.device) -> None:
+    """Run a tiny all-to-all on each group, so communicators exist before the first step.
+
+    On multi-node NCCL jobs the first all-to-all of a fresh communicator can deadlock when
+    ranks create it at different times inside a busy step; doing it up front avoids that.
+    """
+    for group in groups:
+        send = torch.zeros(group.size, dtype=torch.bfloat16, device=device)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group.process_group)

@@ -1,0 +1,735 @@
+"""``Muon``: the optimizer class. It plans once and dispatches; the math lives elsewhere.
+
+A step runs in three phases per batch (see ``layout.py`` for batches and ``exchange.py``
+for the all-to-alls):
+
+1. *prepare* — momentum ``M = mu*M + G`` on the local shard, the direction ``U``
+   (Nesterov or ``M``) cast to bf16; for exchanged batches the gather all-to-all starts.
+2. *compute* — the owner assembles its whole matrix and runs Newton–Schulz (per block
+   for partitioned matrices); the return all-to-all starts. Local batches run
+   Newton–Schulz on their stack here.
+3. *finish* — every rank applies decoupled weight decay and ``X -= lr*scale*O`` to its
+   own shard, in fp32.
+
+``step()`` keeps up to ``max_in_flight`` batches between phases 1 and 2, so all-to-alls
+of later batches overlap Newton–Schulz of earlier ones, and finishes a batch only after
+the next one has been computed, so return traffic overlaps compute too. AdamW groups run
+while the first batches are in flight. ``step_chunk()`` runs the same three phases for one
+chunk synchronously; since every phase is element-wise or per matrix, both give the
+same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim import Optimizer
+
+from shardmuon.adamw import adamw_update_
+from shardmuon.exchange import BatchExchange, ExchangeBytes, warmup_groups
+from shardmuon.layout import (
+    MatrixLayout,
+    MuonBatch,
+    PlanEntry,
+    Segment,
+    ShardGroup,
+    matrix_layout,
+    plan_batches,
+)
+from shardmuon.newton_schulz import newton_schulz, newton_schulz_unfolded, resolve_coefficients
+from shardmuon.partitions import check_partitions, orthogonalize_blocks, row_scales
+from shardmuon.update import ADJUST_LR_CHOICES, momentum_update_, weight_update_
+
+__all__ = ["AdamWChunk", "Muon", "StepStats"]
+
+ALGORITHMS = ("muon", "adamw")
+NS_IMPLEMENTATIONS = {"folded": newton_schulz, "unfolded": newton_schulz_unfolded}
+CHECK_GRADS = ("first", "always", "never")
+
+
+@dataclass
+class StepStats:
+    """What the last step did on this rank (for benchmarks and logs)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_minimum: int = 0
+    num_batches: int = 0
+    matrices_orthogonalized: int = 0
+    owned_shapes: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AdamWChunk:
+    """All parameters of one AdamW group."""
+
+    group_index: int
+
+
+Chunk = MuonBatch | AdamWChunk
+
+
+@dataclass
+class _Run:
+    """A batch between phases: its directions, exchange and results."""
+
+    batch: MuonBatch
+    segments: list[Segment]
+    directions: Tensor | list[Tensor]
+    exchange: BatchExchange | None = None
+    result: Tensor | list[Tensor] | None = None
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _check_nonnegative(name: str, value: Any, upper: float | None = None) -> None:
+    if isinstance(value, Tensor):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not value >= 0.0 or (upper is not None and not value < upper):
+        accepted = f"in [0, {upper})" if upper is not None else ">= 0"
+        raise ValueError(f"{name} must be {accepted}, got {value!r}")
+
+
+def _check_group(index: int, group: dict) -> None:
+    where = f"param group {index}"
+    if group["algorithm"] not in ALGORITHMS:
+        raise ValueError(
+            f"{where}: unknown algorithm {group['algorithm']!r}; accepted: 'muon', 'adamw'"
+        )
+    if group["adjust_lr"] not in ADJUST_LR_CHOICES:
+        raise ValueError(
+            f"{where}: unknown adjust_lr {group['adjust_lr']!r}; accepted: 'rms_norm', "
+            "'spectral_norm', 'keller_muon' or None"
+        )
+    _check_nonnegative(f"{where}: lr", group["lr"])
+    _check_nonnegative(f"{where}: mu", group["mu"], 1.0)
+    _check_nonnegative(f"{where}: beta1", group["beta1"], 1.0)
+    _check_nonnegative(f"{where}: beta2", group["beta2"], 1.0)
+    _check_nonnegative(f"{where}: weight_decay", group["weight_decay"])
+    _check_nonnegative(f"{where}: epsilon", group["epsilon"])
+    if group["algorithm"] == "muon":
+        for i, p in enumerate(group["params"]):
+            if p.ndim < 2:
+                raise ValueError(
+                    f"{where} (algorithm 'muon'): parameter {i} has shape {tuple(p.shape)}; "
+                    "Muon needs matrices (2-D or more); put 0-D/1-D parameters in an "
+                    "'adamw' group"
+                )
+
+
+class Muon(Optimizer):
+    """Muon with dion's param groups, state and checkpoints; distribution read from DTensors.
+
+    Args:
+        params: param groups (dicts with ``params`` and ``algorithm`` = ``"muon"`` or
+            ``"adamw"``), or an iterable of tensors (one Muon group).
+        lr, mu, betas, weight_decay, epsilon, nesterov, adjust_lr, flatten: group defaults, as
+            in dion (``epsilon`` is AdamW's eps and Newton–Schulz's normalisation eps).
+        update_rms: the update RMS for ``adjust_lr="rms_norm"``: the lr of an
+            ``[m, n]`` matrix is scaled by ``update_rms * sqrt(max(m, n))`` (0.2 = dion).
+        newton_schulz_coefficients: a preset name from ``NS_PRESETS`` or a list of
+            ``(a, b, c)`` triples, one per iteration; ``None`` = ``"dion"``.
+        matrix_partitions: ``{param: (rows_1, ...)}`` for fused weights: blocks along dim -2
+            orthogonalized and scaled on their own. An optimizer attribute, not a group key.
+        max_in_flight: batches between the gather and the compute phase in ``step()``.
+        distributed_mesh: accepted for drop-in use with dion and only type-checked: the
+            distribution comes from each parameter's DTensor placements.
+        newton_schulz_impl: ``"folded"`` (default) or ``"unfolded"`` (dion's bf16 recipe,
+            for benchmarks).
+        rotate_owners: continue owners round-robin across batches (``False`` for benchmarks).
+        warmup: run :meth:`warmup` at construction.
+        check_grads: when to verify, with one small all-reduce per shard group, that a
+            parameter's grad is present on all ranks of its group or on none: ``"first"``
+            step (default), ``"always"`` or ``"never"``. A parameter without a grad is
+            skipped (no momentum, no decay) on every rank, as in dion.
+
+    NaN or inf in a gradient propagate into that parameter's momentum and, through
+    Newton–Schulz's normalisation, into its whole update (every element becomes NaN); other
+    parameters are unaffected. Clip or skip such steps outside the optimizer.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict],
+        *,
+        lr: float = 0.01,
+        mu: float = 0.95,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.01,
+        epsilon: float = 1e-8,
+        nesterov: bool = False,
+        adjust_lr: str | None = "rms_norm",
+        flatten: bool = False,
+        update_rms: float = 0.2,
+        newton_schulz_coefficients: str | Sequence[Sequence[float]] | None = None,
+        matrix_partitions: dict[Tensor, Sequence[int]] | None = None,
+        max_in_flight: int = 3,
+        distributed_mesh: Any = None,
+        newton_schulz_impl: str = "folded",
+        rotate_owners: bool = True,
+        warmup: bool = False,
+        check_grads: str = "first",
+    ) -> None:
+        if not isinstance(betas, Sequence) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        if isinstance(update_rms, bool) or not isinstance(update_rms, (int, float)):
+            raise TypeError(f"update_rms must be a number, got {update_rms!r}")
+        if not update_rms > 0:
+            raise ValueError(f"update_rms must be > 0, got {update_rms!r}")
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
+            raise TypeError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        if newton_schulz_impl not in NS_IMPLEMENTATIONS:
+            raise ValueError(
+                f"unknown newton_schulz_impl {newton_schulz_impl!r}; accepted: "
+                f"{', '.join(map(repr, NS_IMPLEMENTATIONS))}"
+            )
+        if check_grads not in CHECK_GRADS:
+            raise ValueError(
+                f"unknown check_grads {check_grads!r}; accepted: "
+                f"{', '.join(map(repr, CHECK_GRADS))}"
+            )
+        _check_mesh(distributed_mesh)
+        for name, value, upper in (
+            ("lr", lr, None),
+            ("mu", mu, 1.0),
+            ("betas[0]", betas[0], 1.0),
+            ("betas[1]", betas[1], 1.0),
+            ("weight_decay", weight_decay, None),
+            ("epsilon", epsilon, None),
+        ):
+            _check_nonnegative(name, value, upper)
+        if adjust_lr not in ADJUST_LR_CHOICES:
+            raise ValueError(
+                f"unknown adjust_lr {adjust_lr!r}; accepted: 'rms_norm', 'spectral_norm', "
+                "'keller_muon' or None"
+            )
+        defaults = dict(
+            lr=lr,
+            mu=mu,
+            beta1=betas[0],
+            beta2=betas[1],
+            weight_decay=weight_decay,
+            algorithm="muon",
+            step=0,
+            epsilon=epsilon,
+            nesterov=nesterov,
+            flatten=flatten,
+            adjust_lr=adjust_lr,
+        )
+        self.update_rms = float(update_rms)
+        self.coefficients = resolve_coefficients(newton_schulz_coefficients)
+        self.max_in_flight = max_in_flight
+        self.rotate_owners = rotate_owners
+        self.check_grads = check_grads
+        self._newton_schulz = NS_IMPLEMENTATIONS[newton_schulz_impl]
+        self._raw_partitions = dict(matrix_partitions or {})
+        self._plan: _Plan | None = None
+        self._round_done: set[int] = set()
+        self._grads_checked = False
+        self.last_step_stats = StepStats()
+        super().__init__(params, defaults)
+        self._plan = self._build_plan()
+        self._init_state()
+        if warmup:
+            self.warmup()
+
+    # ----------------------------------------------------------------- planning
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (validated as in the constructor); the plan is rebuilt."""
+        super().add_param_group(param_group)
+        _check_group(len(self.param_groups) - 1, self.param_groups[-1])
+        if self._plan is not None:
+            self._plan = self._build_plan()
+            self._init_state()
+
+    def _build_plan(self) -> _Plan:
+        muon_params: list[tuple[int, Tensor]] = []
+        positions: list[int] = []
+        for g, group in enumerate(self.param_groups):
+            if group["algorithm"] == "muon":
+                muon_params.extend((g, p) for p in group["params"])
+                positions.extend(range(len(group["params"])))
+        known = {id(p) for _, p in muon_params}
+        for p in self._raw_partitions:
+            if id(p) not in known:
+                raise ValueError(
+                    f"matrix_partitions has a parameter of shape {tuple(p.shape)} that is not "
+                    "in a 'muon' param group of this optimizer"
+                )
+        partitions_by_id = {id(p): sizes for p, sizes in self._raw_partitions.items()}
+        entries, layouts, scales, partitions = [], [], [], []
+        for index, (g, p) in enumerate(muon_params):
+            group = self.param_groups[g]
+            name = f"group {g} param {positions[index]}"
+            layout = matrix_layout(name, p, flatten=group["flatten"])
+            sizes = partitions_by_id.get(id(p))
+            if sizes is not None:
+                if group["flatten"]:
+                    raise ValueError(
+                        f"matrix_partitions[{name}]: partitions need flatten=False (they split "
+                        "dim -2 of each matrix)"
+                    )
+                sizes = check_partitions(name, sizes, layout.rows)
+            layouts.append(layout)
+            partitions.append(sizes)
+            scales.append(
+                row_scales(
+                    sizes,
+                    layout.rows,
+                    layout.cols,
+                    layout.local_row_start,
+                    layout.local_rows,
+                    group["adjust_lr"],
+                    self.update_rms,
+                )
+            )
+            entries.append(PlanEntry(index, layout, p.dtype, sizes, float(group["epsilon"])))
+        batches = plan_batches(entries, rotate_owners=self.rotate_owners)
+        adamw = [
+            AdamWChunk(g) for g, grp in enumerate(self.param_groups) if grp["algorithm"] == "adamw"
+        ]
+        return _Plan(
+            params=[p for _, p in muon_params],
+            group_of=[g for g, _ in muon_params],
+            layouts=layouts,
+            row_scales=scales,
+            partitions=partitions,
+            batches=batches,
+            adamw=adamw,
+        )
+
+    def _init_state(self) -> None:
+        """Create state for every parameter now: DCP needs the same keys on every rank."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                keys = ("momentum", "variance") if group["algorithm"] == "adamw" else ("momentum",)
+                for key in keys:
+                    value = state.get(key)
+                    if value is None:
+                        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    elif isinstance(p, DTensor) and not isinstance(value, DTensor):
+                        state[key] = _distribute_like(value, p)
+
+    def chunks(self) -> list[Chunk]:
+        """The fixed list of chunks: Muon batches (exchanged ones first), then AdamW groups."""
+        return [*self._plan.batches, *self._plan.adamw]
+
+    def shard_groups(self) -> list[ShardGroup]:
+        """Distinct process groups the Muon all-to-alls use, in first-use order."""
+        seen: dict[tuple[int, ...], ShardGroup] = {}
+        for layout in self._plan.layouts:
+            if layout.group is not None:
+                seen.setdefault(layout.group.ranks, layout.group)
+        return list(seen.values())
+
+    def warmup(self) -> None:
+        """Run a tiny all-to-all on every group Muon will use (read from the parameters)."""
+        groups = self.shard_groups()
+        if groups:
+            warmup_groups(groups, self._device())
+
+    def _device(self) -> torch.device:
+        for group in self.param_groups:
+            for p in group["params"]:
+                return _local(p).device
+        return torch.device("cpu")
+
+    # ----------------------------------------------------------------- stepping
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step over all chunks, pipelined (see the module docstring)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._round_done:
+            raise RuntimeError(
+                f"step() called after step_chunk() stepped {len(self._round_done)} of "
+                f"{len(self.chunks())} chunks; step the remaining chunks first"
+            )
+        self._begin_round()
+        in_flight: deque[_Run] = deque()
+        returning: deque[_Run] = deque()
+        adamw_pending = list(self._plan.adamw)
+        for batch in self._plan.batches:
+            in_flight.append(self._prepare(batch))
+            if len(in_flight) >= self.max_in_flight:
+                if adamw_pending:
+                    for chunk in adamw_pending:
+                        self._step_adamw(chunk)
+                    adamw_pending = []
+                self._advance(in_flight, returning)
+        for chunk in adamw_pending:
+            self._step_adamw(chunk)
+        while in_flight:
+            self._advance(in_flight, returning)
+        while returning:
+            self._finish(returning.popleft())
+        self._round_done.clear()
+        return loss
+
+    def _advance(self, in_flight: deque[_Run], returning: deque[_Run]) -> None:
+        run = in_flight.popleft()
+        self._compute(run)
+        returning.append(run)
+        while len(returning) > 1:
+            self._finish(returning.popleft())
+
+    @torch.no_grad()
+    def step_chunk(self, chunk: Chunk) -> None:
+        """Step one chunk (on the current stream); the step counters advance on a round's first chunk.
+
+        A round is one pass over :meth:`chunks` in any order; stepping a chunk twice in a
+        round raises, so counters and bias corrections cannot drift.
+        """
+        chunks = self.chunks()
+        if not any(chunk is c for c in chunks):
+            raise ValueError("step_chunk got a chunk that is not in this optimizer's chunks()")
+        key = next(i for i, c in enumerate(chunks) if c is chunk)
+        if key in self._round_done:
+            raise RuntimeError(
+                f"chunk {key} was already stepped in this round; step the other "
+                f"{len(chunks) - len(self._round_done)} chunks first"
+            )
+        if not self._round_done:
+            self._begin_round()
+        self._round_done.add(key)
+        if isinstance(chunk, AdamWChunk):
+            self._step_adamw(chunk)
+        else:
+            run = self._prepare(chunk)
+            self._compute(run)
+            self._finish(run)
+        if len(self._round_done) == len(chunks):
+            self._round_done.clear()
+
+    def _begin_round(self) -> None:
+        self._preflight()
+        for group in self.param_groups:
+            group["step"] += 1
+        self.last_step_stats = StepStats()
+        if self.check_grads == "always" or (
+            self.check_grads == "first" and not self._grads_checked
+        ):
+            self._check_grad_presence()
+            self._grads_checked = True
+
+    def _preflight(self) -> None:
+        """Check every grad locally before any collective, so bad input raises on all ranks."""
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                grad = p.grad
+                if grad is None:
+                    continue
+                where = f"param group {g} parameter {i} (shape {tuple(p.shape)})"
+                if isinstance(p, DTensor) != isinstance(grad, DTensor):
+                    kind = "a DTensor" if isinstance(p, DTensor) else "a plain tensor"
+                    raise TypeError(
+                        f"{where} is {kind} but its grad is "
+                        f"{'a DTensor' if isinstance(grad, DTensor) else 'a plain tensor'}; "
+                        "the grad must be laid out like the parameter"
+                    )
+                if isinstance(p, DTensor) and (
+                    grad.placements != p.placements or grad.device_mesh != p.device_mesh
+                ):
+                    raise ValueError(
+                        f"{where}: grad placements {tuple(grad.placements)} on mesh "
+                        f"{grad.device_mesh} differ from the parameter's "
+                        f"{tuple(p.placements)} on mesh {p.device_mesh}"
+                    )
+                if grad.shape != p.shape:
+                    raise ValueError(
+                        f"{where}: grad shape {tuple(grad.shape)} differs from the parameter's"
+                    )
+
+    def _check_grad_presence(self) -> None:
+        """All-reduce grad presence per shard group; raise on every rank if it differs."""
+        plan = self._plan
+        for group in self.shard_groups():
+            members = [
+                i
+                for i, layout in enumerate(plan.layouts)
+                if layout.group is not None and layout.group.ranks == group.ranks
+            ]
+            flags = torch.tensor(
+                [int(plan.params[i].grad is not None) for i in members],
+                dtype=torch.int32,
+                device=self._device(),
+            )
+            dist.all_reduce(flags, group=group.process_group)
+            bad = [members[j] for j, count in enumerate(flags.tolist()) if 0 < count < group.size]
+            if bad:
+                shapes = [tuple(plan.params[i].shape) for i in bad]
+                raise ValueError(
+                    f"Muon parameters with shapes {shapes} have a grad on some ranks of the "
+                    f"group {list(group.ranks)} and none on others; a sharded parameter's grad "
+                    "must exist on all ranks of its group or on none (FSDP2 guarantees this: "
+                    "check for parameters used on some ranks only)"
+                )
+
+    def _views(self, index: int, tensor: Tensor) -> Tensor:
+        """The ``[N, rows, cols]`` view of Muon parameter ``index``'s local shard (or state).
+
+        A view (never a copy) so in-place updates land in the parameter; grads that are not
+        contiguous are reshaped (copied), which is fine as they are only read.
+        """
+        local = _local(tensor)
+        layout: MatrixLayout = self._plan.layouts[index]
+        shape = (layout.num_matrices, layout.local_rows, layout.local_cols)
+        return local.view(shape) if local.is_contiguous() else local.reshape(shape)
+
+    def _prepare(self, batch: MuonBatch) -> _Run:
+        """Phase 1: momentum and directions; the gather starts for exchanged batches."""
+        plan = self._plan
+        segments = [s for s in batch.segments if plan.params[s.param_index].grad is not None]
+        directions = []
+        for seg in segments:
+            p = plan.params[seg.param_index]
+            group = self.param_groups[plan.group_of[seg.param_index]]
+            momentum = self._views(seg.param_index, self.state[p]["momentum"])
+            grad = self._views(seg.param_index, p.grad)
+            direction = momentum_update_(
+                momentum[seg.start : seg.stop],
+                grad[seg.start : seg.stop],
+                float(group["mu"]),
+                bool(group["nesterov"]),
+            )
+            directions.append(direction.to(torch.bfloat16))
+        stats = self.last_step_stats
+        stats.num_batches += 1
+        if not batch.layout.exchanged:
+            stacked = torch.cat(directions) if directions else None
+            return _Run(batch, segments, stacked)
+        pieces = [d for block in directions for d in block.unbind(0)]
+        owners = self._active_owners(batch, segments)
+        exchange = BatchExchange(batch.layout, owners, _TrafficCounter(stats))
+        exchange.start_gather(pieces)
+        stats.bytes_minimum += _minimum_bytes(batch.layout, owners)
+        return _Run(batch, segments, pieces, exchange)
+
+    def _active_owners(self, batch: MuonBatch, segments: list[Segment]) -> tuple[int, ...]:
+        active = {(s.param_index, i) for s in segments for i in range(s.start, s.stop)}
+        units = [(s.param_index, i) for s in batch.segments for i in range(s.start, s.stop)]
+        return tuple(o for u, o in zip(units, batch.owners) if u in active)
+
+    def _orthogonalize(self, U: Tensor, batch: MuonBatch) -> Tensor:
+        """Newton–Schulz on a bf16 ``[N, rows, cols]`` stack, per partition block."""
+        ns = functools.partial(self._newton_schulz, coefficients=self.coefficients, eps=batch.eps)
+        stats = self.last_step_stats
+        stats.matrices_orthogonalized += U.size(0)
+        stats.owned_shapes.extend([(U.size(1), U.size(2))] * U.size(0))
+        return orthogonalize_blocks(U, batch.partitions, ns)
+
+    def _compute(self, run: _Run) -> None:
+        """Phase 2: Newton–Schulz (the owner's matrix, or the local stack); return starts."""
+        if run.exchange is None:
+            if run.directions is not None:
+                run.result = self._orthogonalize(run.directions, run.batch)
+            return
+        whole = run.exchange.assemble()
+        result = None if whole is None else self._orthogonalize(whole[None], run.batch)[0]
+        run.exchange.start_return(result, self._device())
+
+    def _finish(self, run: _Run) -> None:
+        """Phase 3: decay and update of this rank's shard."""
+        plan = self._plan
+        if run.exchange is not None:
+            pieces = run.exchange.finish_return()
+            results = torch.stack(pieces) if pieces else None
+        else:
+            results = run.result
+        offset = 0
+        for seg in run.segments:
+            p = plan.params[seg.param_index]
+            group = self.param_groups[plan.group_of[seg.param_index]]
+            view = self._views(seg.param_index, p)[seg.start : seg.stop]
+            weight_update_(
+                view,
+                results[offset : offset + seg.count],
+                float(group["lr"]),
+                float(group["weight_decay"]),
+                plan.row_scales[seg.param_index],
+            )
+            offset += seg.count
+
+    def _step_adamw(self, chunk: AdamWChunk) -> None:
+        group = self.param_groups[chunk.group_index]
+        params = [p for p in group["params"] if p.grad is not None]
+        adamw_update_(
+            [_local(p) for p in params],
+            [_local(p.grad) for p in params],
+            [_local(self.state[p]["momentum"]) for p in params],
+            [_local(self.state[p]["variance"]) for p in params],
+            lr=float(group["lr"]),
+            beta1=float(group["beta1"]),
+            beta2=float(group["beta2"]),
+            weight_decay=float(group["weight_decay"]),
+            epsilon=float(group["epsilon"]),
+            step=int(group["step"]),
+        )
+
+    # ----------------------------------------------------- orthogonalize only
+
+    @torch.no_grad()
+    def orthogonalize_chunk(
+        self, params: Sequence[Tensor], U: Sequence[Tensor], first_owner: int = 0
+    ) -> list[Tensor]:
+        """Newton–Schulz plus the exchange for given directions; no momentum, no update.
+
+        ``params``: Muon parameters of one layout (one batch's worth: at most the shard-group
+        size of matrices when exchanged); ``U[i]``: a local tensor shaped like
+        ``params[i]``'s local shard. Returns the bf16 results, shaped like ``U``. The owner of
+        the ``j``-th matrix is ``(first_owner + j) % k``. Collective over the shard group.
+        """
+        if len(params) != len(U) or not params:
+            raise ValueError(
+                f"orthogonalize_chunk needs one direction per parameter, got {len(params)} "
+                f"parameters and {len(U)} directions"
+            )
+        index_of = {id(p): i for i, p in enumerate(self._plan.params)}
+        indices = []
+        for p in params:
+            if id(p) not in index_of:
+                raise ValueError(
+                    f"orthogonalize_chunk: a parameter of shape {tuple(p.shape)} is not a Muon "
+                    "parameter of this optimizer"
+                )
+            indices.append(index_of[id(p)])
+        layouts = {self._batch_signature(i) for i in indices}
+        if len(layouts) != 1:
+            raise ValueError(
+                "orthogonalize_chunk needs parameters of one layout (global shape, placements, "
+                "dtype, partitions)"
+            )
+        layout = self._plan.layouts[indices[0]]
+        segments = [Segment(i, 0, self._plan.layouts[i].num_matrices) for i in indices]
+        count = sum(s.count for s in segments)
+        owners: tuple[int, ...] = ()
+        if layout.exchanged:
+            k = layout.group.size
+            if count > k:
+                raise ValueError(
+                    f"orthogonalize_chunk got {count} matrices for a shard group of {k} ranks; "
+                    f"pass at most {k}"
+                )
+            owners = tuple((first_owner + j) % k for j in range(count))
+        batch = MuonBatch(
+            -1,
+            layout=layout,
+            segments=segments,
+            owners=owners,
+            partitions=self._plan.partitions[indices[0]],
+            eps=float(self.param_groups[self._plan.group_of[indices[0]]]["epsilon"]),
+        )
+        directions = [self._views(i, u.to(torch.bfloat16)) for i, u in zip(indices, U)]
+        if layout.exchanged:
+            exchange = BatchExchange(layout, owners, _TrafficCounter(self.last_step_stats))
+            exchange.start_gather([m for d in directions for m in d.unbind(0)])
+            whole = exchange.assemble()
+            result = None if whole is None else self._orthogonalize(whole[None], batch)[0]
+            exchange.start_return(result, self._device())
+            flat = exchange.finish_return()
+            results = torch.stack(flat) if flat else torch.empty(0)
+        else:
+            results = self._orthogonalize(torch.cat(directions), batch)
+        out, offset = [], 0
+        for seg, u in zip(segments, U):
+            out.append(results[offset : offset + seg.count].reshape(_local(u).shape))
+            offset += seg.count
+        return out
+
+    def _batch_signature(self, index: int) -> tuple:
+        layout = self._plan.layouts[index]
+        group_ranks = layout.group.ranks if layout.group else None
+        return (
+            group_ranks,
+            layout.shard_axis,
+            layout.rows,
+            layout.cols,
+            self._plan.params[index].dtype,
+            self._plan.partitions[index],
+        )
+
+    # ----------------------------------------------------------- checkpoints
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a shardmuon or dion state dict; missing state is created, DTensor state restored."""
+        super().load_state_dict(state_dict)
+        self._init_state()
+        self._round_done.clear()
+
+
+@dataclass
+class _Plan:
+    params: list[Tensor]
+    group_of: list[int]
+    layouts: list[MatrixLayout]
+    row_scales: list[list[tuple[int, int, float]]]
+    partitions: list[tuple[int, ...] | None]
+    batches: list[MuonBatch]
+    adamw: list[AdamWChunk]
+
+
+class _TrafficCounter(ExchangeBytes):
+    """Counts exchange bytes straight into a StepStats."""
+
+    def __init__(self, stats: StepStats) -> None:
+        super().__init__()
+        self._stats = stats
+
+    def add(self, send_splits: list[int], recv_splits: list[int], me: int) -> None:
+        before_sent, before_received = self.sent, self.received
+        super().add(send_splits, recv_splits, me)
+        self._stats.bytes_sent += self.sent - before_sent
+        self._stats.bytes_received += self.received - before_received
+
+
+def _minimum_bytes(layout: MatrixLayout, owners: tuple[int, ...]) -> int:
+    """Bytes this rank must send: its pieces to other owners, and as owner the others' pieces."""
+    me = layout.group.rank_index
+    total = 0
+    for owner in owners:
+        if owner == me:
+            total += sum(layout.piece_numel(j) for j in range(layout.group.size) if j != me)
+        else:
+            total += layout.piece_numel(me)
+    return 2 * total
+
+
+def _distribute_like(value: Tensor, param: DTensor) -> DTensor:
+    """A full (e.g. dion single-process) state tensor laid out like ``param``, no communication."""
+    if value.shape != param.shape:
+        raise ValueError(
+            f"optimizer state of shape {tuple(value.shape)} does not fit a parameter of global "
+            f"shape {tuple(param.shape)}"
+        )
+    return distribute_tensor(
+        value.to(_local(param).device), param.device_mesh, param.placements, src_data_rank=None
+    )
+
+
+def _check_mesh(mesh: Any) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if mesh is not None and not isinstance(mesh, (DeviceMesh, dist.ProcessGroup)):
+        raise TypeError(
+            f"distributed_mesh must be None, a DeviceMesh or a ProcessGroup, got "
+            f"{type(mesh).__name__}; shardmuon reads the distribution from the parameters"
+        )

@@ -1,0 +1,216 @@
+"""Lay a model out over processes with FSDP2 / DTensor, for benchmarks and training.
+
+Layouts (``world_size`` = number of processes):
+
+- ``none``: plain tensors, every rank holds everything (like DDP).
+- ``fsdp``: ``fully_shard`` on each decoder layer, then on the root, over a 1-D mesh
+  ``("dp_shard",)``. 2-D weights get ``Shard(0)``; 3-D expert stacks ``Shard(0)`` on the
+  expert dim.
+- ``hsdp``: the same on a 2-D mesh ``("dp_replicate", "dp_shard")``: placements
+  ``(Replicate(), Shard(0))``.
+- ``ep``: expert stacks (3-D params) on a 2-D mesh ``("ep", "dp")`` with placements
+  ``(Shard(0), Shard(1))`` (experts split over ``ep``, then rows over ``dp``); every other
+  param ``Shard(0)`` over a 1-D mesh of all ranks. Built with ``distribute_tensor``: it gives
+  params and grads their layout, which is all the optimizer benchmark needs (no forward).
+
+:func:`plan_layout` checks a layout against a world size without touching
+``torch.distributed``, so a command line can reject it before starting processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = [
+    "EXPERT_MESH_NAME",
+    "LAYOUTS",
+    "AppliedLayout",
+    "LayoutPlan",
+    "apply_layout",
+    "decoder_layers",
+    "plan_layout",
+]
+
+LAYOUTS: tuple[str, ...] = ("none", "fsdp", "hsdp", "ep")
+EXPERT_MESH_NAME = "ep"
+
+_MESH_DIM_NAMES: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "fsdp": ("dp_shard",),
+    "hsdp": ("dp_replicate", "dp_shard"),
+    "ep": ("ep", "dp"),
+}
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """A checked layout: its name, the world size and the mesh shape it will use."""
+
+    layout: str
+    world_size: int
+    mesh_shape: tuple[int, ...]
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """Names of the mesh dims, e.g. ``("dp_replicate", "dp_shard")`` for ``hsdp``."""
+        return _MESH_DIM_NAMES[self.layout]
+
+
+@dataclass
+class AppliedLayout:
+    """What :func:`apply_layout` did: the plan, the meshes it built (by name) and the model."""
+
+    plan: LayoutPlan
+    model: nn.Module
+    meshes: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def expert_mesh_name(self) -> str | None:
+        """The mesh name experts live on (``"ep"`` for the ``ep`` layout), else ``None``."""
+        return EXPERT_MESH_NAME if self.plan.layout == "ep" else None
+
+
+def _default_mesh_shape(layout: str, world_size: int) -> tuple[int, ...]:
+    if layout == "none":
+        return ()
+    if layout == "fsdp":
+        return (world_size,)
+    if layout == "hsdp":
+        # Two replicas when possible: the smallest layout that has both a replicate and a
+        # shard dim; with 2 processes this is (2, 1), i.e. pure replication.
+        return (2, world_size // 2) if world_size % 2 == 0 else (1, world_size)
+    # ep: split the experts over all ranks unless there are 4+ (then keep an FSDP dim of 2
+    # so that expert stacks carry two shard placements, as on a real EP x FSDP run).
+    if world_size >= 4 and world_size % 2 == 0:
+        return (world_size // 2, 2)
+    return (world_size, 1)
+
+
+def plan_layout(
+    layout: str, world_size: int, mesh_shape: tuple[int, ...] | None = None
+) -> LayoutPlan:
+    """Check ``layout`` for ``world_size`` processes; fill in the default mesh shape.
+
+    ``mesh_shape`` is ``(world_size,)`` for ``fsdp``, ``(replicate, shard)`` for ``hsdp``
+    and ``(ep, dp)`` for ``ep``; its product must equal ``world_size``. Raises
+    ``ValueError`` naming what was given and what is accepted.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; accepted: {', '.join(LAYOUTS)}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be an int >= 1, got {world_size!r}")
+    if mesh_shape is None:
+        mesh_shape = _default_mesh_shape(layout, world_size)
+    mesh_shape = tuple(mesh_shape)
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in mesh_shape):
+        raise ValueError(f"mesh shape must hold ints >= 1, got {mesh_shape!r}")
+    wanted = len(_MESH_DIM_NAMES[layout])
+    if layout == "none":
+        if mesh_shape:
+            raise ValueError(f"layout 'none' takes no mesh shape, got {mesh_shape!r}")
+    elif len(mesh_shape) != wanted:
+        names = " x ".join(_MESH_DIM_NAMES[layout])
+        raise ValueError(
+            f"layout {layout!r} needs a {wanted}-D mesh shape ({names}), got {mesh_shape!r}"
+        )
+    elif _product(mesh_shape) != world_size:
+        raise ValueError(
+            f"mesh shape {'x'.join(map(str, mesh_shape))} for layout {layout!r} has "
+            f"{_product(mesh_shape)} ranks but the world size is {world_size}; the product "
+            "of the mesh shape must equal the number of processes"
+        )
+    return LayoutPlan(layout, world_size, mesh_shape)
+
+
+def _product(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of a Hugging Face causal LM (the ``layers`` ``ModuleList``)."""
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, nn.ModuleList):
+            return list(module)
+    return []
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def apply_layout(
+    model: nn.Module,
+    layout: str,
+    *,
+    world_size: int | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
+    device_type: str | None = None,
+) -> AppliedLayout:
+    """Lay ``model`` out in place as ``layout`` (see the module docstring); returns what was built.
+
+    Needs an initialised process group for any layout but ``none``; ``world_size``
+    defaults to its size. Every rank must hold the same full weights beforehand (build
+    the model with the same seed), since each rank keeps its own slice.
+    """
+    if world_size is None:
+        world_size = _world_size()
+    plan = plan_layout(layout, world_size, mesh_shape)
+    if layout == "none":
+        return AppliedLayout(plan, model)
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise ValueError(
+            f"layout {layout!r} needs torch.distributed to be initialised; use layout 'none' "
+            "for a single process"
+        )
+    if dist.get_world_size() != world_size:
+        raise ValueError(
+            f"world_size={world_size} given but the process group has {dist.get_world_size()} ranks"
+        )
+    device_type = device_type or _device_type()
+    if layout in ("fsdp", "hsdp"):
+        mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+        _fully_shard(model, mesh)
+        return AppliedLayout(plan, model, {"dp": mesh})
+    expert_mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+    dense_mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_shard",))
+    _distribute_expert_parallel(model, expert_mesh, dense_mesh)
+    return AppliedLayout(plan, model, {EXPERT_MESH_NAME: expert_mesh, "dp": dense_mesh})
+
+
+def _fully_shard(model: nn.Module, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _distribute_expert_parallel(model: nn.Module, expert_mesh, dense_mesh) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 3:
+                mesh, placements = expert_mesh, (Shard(0), Shard(1))
+            else:
+                mesh, placements = dense_mesh, (Shard(0),)
+            # src_data_rank=None: every rank already holds the same full tensor, so each
+            # takes its own slice without a scatter.
+            dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))

@@ -1,0 +1,457 @@
+"""SFT loop: a tiny Qwen3 / Qwen3-MoE on the reverse-text task, on 1 process or N processes
+with FSDP2 (gloo on CPU, NCCL on GPUs), with DCP checkpoints and exact resume.
+
+The global batch of step k is the same at every world size (see :mod:`.data`); each rank
+trains on a contiguous slice of it, and the loss is the mean over all supervised tokens of
+the global batch, so the loss curve does not depend on the world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardmuon.train import checkpoint as ckpt_io
+from shardmuon.train import dion_format
+from shardmuon.train.data import (
+    IGNORE_INDEX,
+    CharTokenizer,
+    ReverseTextTask,
+    num_target_tokens,
+    rank_slice,
+)
+
+OPTIMIZERS = ("muon", "adamw")
+TRAIN_LAYOUTS = ("fsdp", "ep")
+# The seed PR's step ranges, plus 1-10 (the convergence criterion's baseline).
+LOSS_RANGES: tuple[tuple[int, int], ...] = ((1, 10), (11, 31), (32, 62), (51, 100), (101, 150))
+EXPERT_MESH_NAME = "ep"
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run depends on (it is also written into checkpoints)."""
+
+    model: str = "tiny-moe"
+    num_layers: int | None = 2
+    optimizer: str = "muon"
+    coefficients: str = "dion"
+    update_rms: float = 0.2
+    lr: float = 0.02
+    weight_decay: float = 0.0
+    mu: float = 0.95
+    nesterov: bool = False
+    steps: int = 150
+    batch_size: int = 16
+    seed: int = 0
+    min_len: int = 4
+    max_len: int = 12
+    nproc: int = 2
+    layout: str = "fsdp"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
+    resume_dion: str | None = None
+    dion_out: str | None = None
+    out: str | None = None
+    quiet: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and what is accepted."""
+        from shardmuon.models import MODEL_PRESETS
+
+        if self.model not in MODEL_PRESETS:
+            raise ValueError(f"model {self.model!r} unknown; accepted: {sorted(MODEL_PRESETS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r} unknown; accepted: {OPTIMIZERS}")
+        if self.layout not in TRAIN_LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} unknown; accepted: {TRAIN_LAYOUTS}")
+        for name in ("steps", "batch_size", "nproc"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.batch_size < self.nproc:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be >= nproc ({self.nproc}): "
+                "every rank needs at least one sample"
+            )
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every needs checkpoint_dir")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if not (math.isfinite(self.update_rms) and self.update_rms > 0):
+            raise ValueError(f"update_rms must be a finite number > 0, got {self.update_rms!r}")
+        if self.resume and self.resume_dion:
+            raise ValueError("give either resume or resume_dion, not both")
+        if self.out and Path(self.out).suffix not in (".json", ".csv"):
+            raise ValueError(f"out must end in .json or .csv, got {self.out!r}")
+        if self.optimizer == "muon":
+            from shardmuon import resolve_coefficients
+
+            resolve_coefficients(self.coefficients)
+        ReverseTextTask(self.min_len, self.max_len, self.seed)
+
+
+@dataclass
+class TrainResult:
+    """What a run produced (rank 0's view; identical on every rank)."""
+
+    losses: dict[int, float]
+    range_means: dict[str, float]
+    start_step: int
+    world_size: int
+    seconds: float
+    checkpoints: list[str]
+
+    def to_json(self, config: TrainConfig) -> dict[str, Any]:
+        """JSON-ready dict (the ``--out`` format)."""
+        return {
+            "config": dataclasses.asdict(config),
+            "world_size": self.world_size,
+            "start_step": self.start_step,
+            "seconds": self.seconds,
+            "losses": [{"step": s, "loss": v} for s, v in sorted(self.losses.items())],
+            "range_means": self.range_means,
+            "checkpoints": self.checkpoints,
+        }
+
+
+def range_means(losses: dict[int, float]) -> dict[str, float]:
+    """Mean loss over each of :data:`LOSS_RANGES` that ``losses`` covers entirely."""
+    out = {}
+    for lo, hi in LOSS_RANGES:
+        steps = range(lo, hi + 1)
+        if all(s in losses for s in steps):
+            out[f"{lo}-{hi}"] = sum(losses[s] for s in steps) / len(steps)
+    return out
+
+
+# ---------------------------------------------------------------------------- model + optimizer
+
+
+def build_training_model(config: TrainConfig, tokenizer: CharTokenizer) -> nn.Module:
+    """The (unsharded) model: preset ``config.model`` with the tokenizer's vocabulary."""
+    from shardmuon.models import build_model
+
+    return build_model(
+        config.model,
+        num_layers=config.num_layers,
+        vocab_size=tokenizer.vocab_size,
+        seed=config.seed,
+    )
+
+
+def shard_model(model: nn.Module, layout: str) -> str | None:
+    """Apply ``layout`` over the default process group; returns the expert mesh name or None.
+
+    ``fsdp``: ``shardmuon.parallel.apply_layout(model, "fsdp")``. ``ep``: each MoE ``experts``
+    module is its own FSDP unit on a mesh named ``"ep"`` (expert stacks ``Shard(0)`` over the
+    expert dim, so each rank owns whole experts and Muon orthogonalizes them locally); the
+    rest as ``fsdp``. The forward all-gathers the experts (no token all-to-all), which trains
+    exactly like EP while giving the optimizer EP's placements.
+    """
+    from shardmuon.parallel import apply_layout, decoder_layers
+
+    if layout == "fsdp":
+        apply_layout(model, "fsdp")
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    world = dist.get_world_size()
+    expert_mesh = init_device_mesh(device, (world,), mesh_dim_names=(EXPERT_MESH_NAME,))
+    dense_mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp_shard",))
+    for name, module in model.named_modules():
+        if name.endswith("experts") and any(p.dim() == 3 for p in module.parameters()):
+            fully_shard(module, mesh=expert_mesh)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dense_mesh)
+    fully_shard(model, mesh=dense_mesh)
+    return EXPERT_MESH_NAME
+
+
+def build_optimizer(
+    config: TrainConfig, model: nn.Module, expert_mesh_name: str | None
+) -> torch.optim.Optimizer:
+    """Muon through the real routing path (``build_param_groups``), or torch AdamW."""
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(
+            model.parameters(),
+            lr=config.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=config.weight_decay,
+        )
+    from shardmuon import Muon
+    from shardmuon.models import attention_dims
+    from shardmuon.routing import build_param_groups
+
+    routed = build_param_groups(
+        model.named_parameters(),
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        adjust_lr="rms_norm",
+        expert_mesh_name=expert_mesh_name,
+        **attention_dims(config.model),
+    )
+    return Muon(
+        routed.groups,
+        lr=config.lr,
+        mu=config.mu,
+        betas=(0.9, 0.95),
+        weight_decay=config.weight_decay,
+        epsilon=1e-8,
+        nesterov=config.nesterov,
+        adjust_lr="rms_norm",
+        update_rms=config.update_rms,
+        newton_schulz_coefficients=config.coefficients,
+        matrix_partitions=routed.partitions,
+    )
+
+
+def sft_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed next-token cross-entropy over the supervised tokens of ``batch`` (fp32 scalar)."""
+    logits = model(input_ids=batch["input_ids"]).logits
+    targets = batch["labels"][:, 1:]
+    return F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.size(-1)),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+# ---------------------------------------------------------------------------- one rank
+
+
+def _trainer_state(config: TrainConfig, step: int, world: int, losses: dict[int, float]) -> dict:
+    return {
+        "step": step,
+        "data_position": step,  # the next batch is task.batch(step + 1)
+        "seed": config.seed,
+        "world_size": world,
+        "model": config.model,
+        "num_layers": config.num_layers,
+        "optimizer": config.optimizer,
+        "losses": {str(k): v for k, v in sorted(losses.items())},
+        "config": dataclasses.asdict(config),
+    }
+
+
+def _resume(config: TrainConfig, model: nn.Module, optimizer) -> tuple[int, dict[int, float]]:
+    """Load the requested checkpoint; returns (steps already taken, their losses)."""
+    dion_path = config.resume_dion
+    if config.resume and Path(config.resume).is_file():
+        dion_path = config.resume  # auto-detect: a file is a dion-format torch.save
+    if dion_path:
+        blob = dion_format.read_dion_file(dion_path)
+        dion_format.load_dion_checkpoint(blob, model, optimizer)
+        return dion_format.dion_step(blob), {}
+    if not config.resume:
+        return 0, {}
+    path = ckpt_io.resolve_checkpoint(config.resume)
+    state = ckpt_io.read_trainer_state(path)
+    ckpt_io.check_compatible(
+        path, ckpt_io.expected_entries(ckpt_io.training_state_dict(model, optimizer))
+    )
+    ckpt_io.load_checkpoint(path, model, optimizer)
+    return int(state["step"]), {int(k): v for k, v in state.get("losses", {}).items()}
+
+
+def train_on_rank(config: TrainConfig, rank: int, world: int) -> TrainResult:
+    """Run the whole training on this rank (process group already initialised if world > 1)."""
+    device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")
+    tokenizer = CharTokenizer()
+    task = ReverseTextTask(config.min_len, config.max_len, config.seed)
+    model = build_training_model(config, tokenizer).to(device)
+    expert_mesh_name = shard_model(model, config.layout) if world > 1 else None
+    optimizer = build_optimizer(config, model, expert_mesh_name)
+    start, history = _resume(config, model, optimizer)
+    if start >= config.steps:
+        raise ValueError(f"checkpoint is at step {start}, nothing to do for steps={config.steps}")
+    if world > 1 and hasattr(optimizer, "warmup"):
+        optimizer.warmup()
+
+    losses: dict[int, float] = {}
+    saved: list[str] = []
+    progress = _progress(config, rank, start)
+    began = time.perf_counter()
+    model.train()
+    for step in range(start + 1, config.steps + 1):
+        batch = task.batch(step, config.batch_size, tokenizer)
+        global_tokens = num_target_tokens(batch["labels"][:, 1:])
+        local = {k: v.to(device) for k, v in rank_slice(batch, rank, world).items()}
+        loss_sum = sft_loss_sum(model, local)
+        # FSDP averages gradients over ranks; scaling by world/global_tokens turns that average
+        # into the gradient of the global per-token mean, whatever the split.
+        (loss_sum * (world / global_tokens)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = loss_sum.detach().to(torch.float64)
+        if world > 1:
+            dist.all_reduce(total)
+        losses[step] = float(total) / global_tokens
+        if progress is not None:
+            progress.advance(losses[step])
+        if config.checkpoint_every and step % config.checkpoint_every == 0:
+            trainer = _trainer_state(config, step, world, {**history, **losses})
+            path = ckpt_io.save_checkpoint(config.checkpoint_dir, step, model, optimizer, trainer)
+            saved.append(str(path))
+    seconds = time.perf_counter() - began
+    if progress is not None:
+        progress.close()
+    if config.dion_out:
+        dion_format.save_dion_checkpoint(config.dion_out, model, optimizer, config.steps)
+    return TrainResult(losses, range_means(losses), start, world, seconds, saved)
+
+
+class _Progress:
+    def __init__(self, total: int, completed: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self._bar = Progress(
+            TextColumn("train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            console=Console(stderr=True),
+        )
+        self._task = self._bar.add_task("train", total=total, completed=completed, loss="-")
+        self._bar.start()
+
+    def advance(self, loss: float) -> None:
+        self._bar.update(self._task, advance=1, loss=f"{loss:.4f}")
+
+    def close(self) -> None:
+        self._bar.stop()
+
+
+def _progress(config: TrainConfig, rank: int, start: int) -> _Progress | None:
+    if config.quiet or rank != 0:
+        return None
+    return _Progress(config.steps, start)
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _threads_per_rank(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def _worker(rank: int, config: TrainConfig, world: int, port: int, result_file: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(_threads_per_rank(world))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        result = train_on_rank(config, rank, world)
+        if rank == 0:
+            Path(result_file).write_text(json.dumps(dataclasses.asdict(result)))
+    except ValueError as err:
+        # Config / checkpoint errors hit every rank alike; hand the message to the parent.
+        if rank == 0:
+            Path(result_file).write_text(json.dumps({"error": str(err)}))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _precheck_resume(config: TrainConfig) -> None:
+    """Check the checkpoint against an unsharded copy of the model before starting processes."""
+    if config.resume and Path(config.resume).is_file():
+        dion_format.read_dion_file(config.resume)
+        return
+    if config.resume_dion:
+        dion_format.read_dion_file(config.resume_dion)
+        return
+    if not config.resume:
+        return
+    path = ckpt_io.resolve_checkpoint(config.resume)
+    ckpt_io.read_trainer_state(path)
+    model = build_training_model(config, CharTokenizer())
+    optimizer = build_optimizer(config, model, EXPERT_MESH_NAME if config.layout == "ep" else None)
+    expected = ckpt_io.expected_entries(ckpt_io.training_state_dict(model, optimizer))
+    ckpt_io.check_compatible(path, expected)
+
+
+def run_training(config: TrainConfig) -> TrainResult:
+    """Validate ``config``, train on ``config.nproc`` processes, write ``config.out``.
+
+    Raises ValueError (a :class:`~.checkpoint.CheckpointError` for checkpoints) for bad input.
+    """
+    config.validate()
+    _precheck_resume(config)
+    if config.nproc == 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(_threads_per_rank(1))
+        try:
+            result = train_on_rank(config, 0, 1)
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        result = _spawn(config)
+    if config.out:
+        write_losses(config.out, result, config)
+    return result
+
+
+def _spawn(config: TrainConfig) -> TrainResult:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="shardmuon-train-") as tmp:
+        result_file = os.path.join(tmp, "result.json")
+        try:
+            mp.spawn(
+                _worker,
+                args=(config, config.nproc, _free_port(), result_file),
+                nprocs=config.nproc,
+                join=True,
+            )
+        except mp.ProcessRaisedException:
+            if os.path.exists(result_file):
+                payload = json.loads(Path(result_file).read_text())
+                if "error" in payload:
+                    raise ValueError(payload["error"]) from None
+            raise
+        payload = json.loads(Path(result_file).read_text())
+    payload["losses"] = {int(k): v for k, v in payload["losses"].items()}
+    return TrainResult(**payload)
+
+
+def write_losses(path: str | os.PathLike, result: TrainResult, config: TrainConfig) -> None:
+    """Per-step losses as JSON (with config and range means) or CSV (``step,loss``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".csv":
+        lines = ["step,loss"] + [f"{s},{v!r}" for s, v in sorted(result.losses.items())]
+        path.write_text("\n".join(lines) + "\n")
+    else:
+        path.write_text(json.dumps(result.to_json(config), indent=2))

@@ -1,0 +1,71 @@
+"""Muon's element-wise math around Newton–Schulz, on plain local tensors.
+
+Everything here is element-wise, so it gives the same bits on a shard as on the whole
+matrix: that is what lets the distributed optimizer update each rank's shard locally and
+still equal the single-process update bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+__all__ = ["ADJUST_LR_CHOICES", "lr_scale", "momentum_update_", "weight_update_"]
+
+ADJUST_LR_CHOICES = ("rms_norm", "spectral_norm", "keller_muon", None)
+
+
+def momentum_update_(momentum: Tensor, grad: Tensor, mu: float, nesterov: bool) -> Tensor:
+    """``M = mu*M + G`` in place; return the direction to orthogonalize.
+
+    Returns ``mu*M + G`` (a new tensor) with Nesterov, else ``M`` itself. Shapes match;
+    the grad is cast to the momentum dtype first (as dion does).
+    """
+    grad = grad.to(momentum.dtype)
+    momentum.mul_(mu).add_(grad)
+    if nesterov:
+        return momentum.mul(mu).add_(grad)
+    return momentum
+
+
+def lr_scale(fan_out: int, fan_in: int, adjust_lr: str | None, update_rms: float) -> float:
+    """The per-matrix factor on the learning rate for a ``[fan_out, fan_in]`` matrix.
+
+    ``"rms_norm"``: ``update_rms * sqrt(max(fan_out, fan_in))`` (0.2 gives dion's rms_norm and
+    an update RMS like AdamW's); ``"spectral_norm"``: ``sqrt(fan_out / fan_in)``;
+    ``"keller_muon"``: ``sqrt(max(1, fan_out / fan_in))``; ``None``: 1.
+    """
+    if adjust_lr == "rms_norm":
+        return update_rms * math.sqrt(max(fan_out, fan_in))
+    if adjust_lr == "spectral_norm":
+        return math.sqrt(fan_out / fan_in)
+    if adjust_lr == "keller_muon":
+        return math.sqrt(max(1.0, fan_out / fan_in))
+    if adjust_lr is None:
+        return 1.0
+    raise ValueError(
+        f"unknown adjust_lr {adjust_lr!r}; accepted: 'rms_norm', 'spectral_norm', "
+        "'keller_muon' or None"
+    )
+
+
+def weight_update_(
+    param: Tensor,
+    ortho: Tensor,
+    lr: float,
+    weight_decay: float,
+    row_scales: list[tuple[int, int, float]],
+) -> None:
+    """``X *= 1 - lr*wd`` then ``X -= lr*scale*O`` in the param's dtype, in place.
+
+    ``param``: ``[B, rows, cols]`` (a view of the local shard); ``ortho``: the bf16 Newton–Schulz
+    output of the same shape. ``row_scales`` lists ``(row_start, row_end, scale)`` ranges of
+    the local rows (one range unless the matrix is partitioned). ``lr*scale*O`` is formed in
+    the param's dtype (fp32), never rounded to bf16 before the subtraction.
+    """
+    if weight_decay != 0.0:
+        param.mul_(1.0 - lr * weight_decay)
+    for start, end, scale in row_scales:
+        if end > start:
+            param[..., start:end, :].add_(ortho[..., start:end, :], alpha=-lr * scale)
