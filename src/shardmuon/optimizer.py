@@ -98,7 +98,7 @@ def _check_nonnegative(name: str, value: Any, upper: float | None = None) -> Non
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}")
     if not value >= 0.0 or (upper is not None and not value < upper):
-        accepted = f"in [0, {upper})" if upper is not None else ">= 0"
+        accepted = f"in [0, {upper:g})" if upper is not None else ">= 0"
         raise ValueError(f"{name} must be {accepted}, got {value!r}")
 
 

@@ -1,0 +1,201 @@
+"""Single-process behaviour of ``shardmuon.Muon``: bad input, state layout, chunked stepping."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardmuon import Muon, newton_schulz_reference
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(32, 16), (16, 32), (3, 24, 8), (16,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.05) for s in shapes]
+
+
+def _groups(ps: list[torch.nn.Parameter]) -> list[dict]:
+    return [
+        dict(params=ps[:3], algorithm="muon"),
+        dict(params=ps[3:], algorithm="adamw"),
+    ]
+
+
+def _set_grads(ps: list[torch.nn.Parameter], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+BAD_CONSTRUCTOR = [
+    # (keyword arguments, exception, message pattern)
+    (dict(lr=-0.1), ValueError, r"lr must be >= 0, got -0\.1"),
+    (dict(mu=-0.5), ValueError, r"mu must be in \[0, 1\), got -0\.5"),
+    (dict(mu=1.5), ValueError, r"mu must be in \[0, 1\), got 1\.5"),
+    (dict(betas=(-0.1, 0.95)), ValueError, r"betas\[0\] must be in \[0, 1\), got -0\.1"),
+    (dict(betas=(0.9, 1.0)), ValueError, r"betas\[1\] must be in \[0, 1\), got 1\.0"),
+    (dict(betas=(0.9,)), ValueError, r"betas must be a pair"),
+    (dict(weight_decay=-1.0), ValueError, r"weight_decay must be >= 0, got -1\.0"),
+    (dict(lr="fast"), TypeError, r"lr must be a number, got 'fast'"),
+    (dict(adjust_lr="max"), ValueError, r"unknown adjust_lr 'max'; accepted: 'rms_norm'"),
+    (dict(update_rms=0.0), ValueError, r"update_rms must be > 0, got 0\.0"),
+    (dict(max_in_flight=0), ValueError, r"max_in_flight must be an int >= 1, got 0"),
+    (dict(newton_schulz_impl="fast"), ValueError, r"unknown newton_schulz_impl 'fast'"),
+    (dict(check_grads="sometimes"), ValueError, r"unknown check_grads 'sometimes'"),
+    (dict(distributed_mesh="mesh"), TypeError, r"distributed_mesh must be None, a DeviceMesh"),
+    (dict(newton_schulz_coefficients=[]), ValueError, r"newton_schulz_coefficients is empty"),
+    (
+        dict(newton_schulz_coefficients=[(1.0, 2.0)]),
+        ValueError,
+        r"newton_schulz_coefficients\[0\] must be an \(a, b, c\) triple",
+    ),
+    (
+        dict(newton_schulz_coefficients=[(1.0, 2.0, math.nan)]),
+        ValueError,
+        r"newton_schulz_coefficients\[0\] must be finite",
+    ),
+    (
+        dict(newton_schulz_coefficients="quintic"),
+        ValueError,
+        r"unknown Newton-Schulz preset 'quintic'; accepted presets: deepseek-v4, dion",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "pattern"), BAD_CONSTRUCTOR)
+def test_bad_constructor_arguments(kwargs: dict, error: type, pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        Muon(_groups(_params()), **kwargs)
+
+
+def test_bad_groups() -> None:
+    ps = _params()
+    with pytest.raises(ValueError, match=r"param group 0: unknown algorithm 'sgd'"):
+        Muon([dict(params=ps[:1], algorithm="sgd")])
+    with pytest.raises(
+        ValueError, match=r"parameter 1 has shape \(16,\); Muon needs matrices \(2-D or more\)"
+    ):
+        Muon([dict(params=[ps[0], ps[3]], algorithm="muon")])
+    with pytest.raises(ValueError, match=r"param group 1: weight_decay must be >= 0, got -0\.5"):
+        Muon([dict(params=ps[:1]), dict(params=ps[1:2], weight_decay=-0.5)])
+    with pytest.raises(ValueError, match=r"param group 0: unknown adjust_lr 'auto'"):
+        Muon([dict(params=ps[:1], adjust_lr="auto")])
+
+
+BAD_PARTITIONS = [
+    ((10, 10), ValueError, r"= \[10, 10\] sums to 20, but the parameter has 32 rows"),
+    ((32, 0), ValueError, r"must hold positive ints, got \[32, 0\]"),
+    ((40, -8), ValueError, r"must hold positive ints, got \[40, -8\]"),
+    ((), ValueError, r"is empty"),
+    ("16,16", TypeError, r"must be a sequence of row counts, got str"),
+]
+
+
+@pytest.mark.parametrize(("sizes", "error", "pattern"), BAD_PARTITIONS)
+def test_bad_partitions(sizes, error: type, pattern: str) -> None:
+    ps = _params()
+    with pytest.raises(error, match=pattern):
+        Muon(_groups(ps), matrix_partitions={ps[0]: sizes})
+
+
+def test_partitions_of_a_foreign_parameter() -> None:
+    ps = _params()
+    with pytest.raises(ValueError, match=r"not in a 'muon' param group"):
+        Muon(_groups(ps), matrix_partitions={ps[3]: (16,)})
+
+
+def test_state_is_created_eagerly_with_dion_keys() -> None:
+    ps = _params()
+    opt = Muon(_groups(ps))
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == [0, 1, 2, 3]
+    assert [sorted(sd["state"][i]) for i in range(4)] == [["momentum"]] * 3 + [
+        ["momentum", "variance"]
+    ]
+    keys = {"lr", "mu", "beta1", "beta2", "weight_decay", "algorithm", "step"}
+    keys |= {"epsilon", "nesterov", "flatten", "adjust_lr", "params"}
+    assert all(set(g) == keys for g in sd["param_groups"])
+
+
+def test_step_counter_advances_for_every_group() -> None:
+    ps = _params()
+    opt = Muon(_groups(ps))
+    _set_grads(ps[:3], 0)  # the adamw param has no grad: its group still counts the step
+    opt.step()
+    opt.step()
+    assert [g["step"] for g in opt.param_groups] == [2, 2]
+    assert torch.count_nonzero(opt.state[ps[3]]["momentum"]) == 0
+
+
+def test_update_matches_fp64_formula() -> None:
+    """One step against the update written out in float64 (bf16 Newton-Schulz tolerance)."""
+    ps = _params()
+    before = [p.detach().clone().double() for p in ps]
+    opt = Muon(_groups(ps), lr=0.02, weight_decay=0.1, nesterov=True, mu=0.9)
+    _set_grads(ps, 1)
+    opt.step()
+    for p, x0 in zip(ps[:3], before[:3]):
+        g = p.grad.double()
+        u = 0.9 * g + g  # momentum starts at zero: M = G, U = mu*M + G
+        o = newton_schulz_reference(u)
+        rows, cols = p.shape[-2:]
+        expected = x0 * (1 - 0.02 * 0.1) - 0.02 * 0.2 * math.sqrt(max(rows, cols)) * o
+        delta = x0 - expected
+        err = (p.detach().double() - expected).norm() / delta.norm()
+        assert err < 0.01, f"shape {tuple(p.shape)}: relative update error {err:.4f}"
+
+
+def test_chunks_step_equals_step() -> None:
+    runs = []
+    for chunked in (False, True):
+        ps = _params()
+        opt = Muon(_groups(ps), nesterov=True)
+        for step in range(3):
+            _set_grads(ps, step)
+            if chunked:
+                for chunk in reversed(opt.chunks()):
+                    opt.step_chunk(chunk)
+            else:
+                opt.step()
+        runs.append((ps, opt))
+    (ps_a, opt_a), (ps_b, opt_b) = runs
+    assert all(torch.equal(a, b) for a, b in zip(ps_a, ps_b))
+    assert [g["step"] for g in opt_a.param_groups] == [g["step"] for g in opt_b.param_groups]
+    for a, b in zip(ps_a, ps_b):
+        for key, value in opt_a.state[a].items():
+            assert torch.equal(value, opt_b.state[b][key])
+
+
+def test_step_chunk_twice_in_a_round_raises() -> None:
+    ps = _params()
+    opt = Muon(_groups(ps))
+    _set_grads(ps, 0)
+    first = opt.chunks()[0]
+    opt.step_chunk(first)
+    with pytest.raises(RuntimeError, match=r"chunk 0 was already stepped in this round"):
+        opt.step_chunk(first)
+    with pytest.raises(RuntimeError, match=r"step\(\) called after step_chunk\(\) stepped 1 of"):
+        opt.step()
+
+
+def test_nan_gradient_stays_in_its_parameter() -> None:
+    """Documented behaviour: a NaN grad makes that parameter's update NaN, nothing else."""
+    ps = _params()
+    opt = Muon(_groups(ps))
+    _set_grads(ps, 0)
+    ps[0].grad[0, 0] = float("nan")
+    opt.step()
+    assert torch.isnan(ps[0]).all()
+    assert all(torch.isfinite(p).all() for p in ps[1:])
+
+
+def test_orthogonalize_chunk_is_newton_schulz() -> None:
+    ps = _params()
+    opt = Muon(_groups(ps))
+    U = [torch.randn(ps[2].shape)]
+    (out,) = opt.orthogonalize_chunk([ps[2]], U)
+    assert out.dtype == torch.bfloat16 and out.shape == ps[2].shape
+    ref = newton_schulz_reference(U[0])
+    assert (out.double() - ref).norm() / ref.norm() < 0.01
