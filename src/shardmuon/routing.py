@@ -109,9 +109,11 @@ def _components(name: str) -> list[str]:
 
 
 def route_name(name: str, ndim: int) -> str:
-    """Label of one parameter from its name and number of dims (prime-rl's rule).
+    """Label of one parameter from its name and number of dims.
 
-    Experts win over routers (a name such as ``mlp.experts.gate`` is an expert weight).
+    prime-rl's substrings (``mlp.experts``, ``mlp.router``) plus whole name components
+    (``experts``; ``router`` or ``gate``) for the Hugging Face names listed in the module
+    docstring. Experts win over routers, as in prime-rl.
     """
     if ndim < 2 or "lm_head" in name or "embed_tokens" in name:
         return ADAMW
