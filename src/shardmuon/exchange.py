@@ -24,22 +24,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardmuon.layout import MatrixLayout, ShardGroup
+from shardmuon.telemetry import BF16_BYTES, StepStats
 
-__all__ = ["BatchExchange", "ExchangeBytes", "warmup_groups"]
-
-_BF16_BYTES = 2
-
-
-@dataclass
-class ExchangeBytes:
-    """All-to-all payload bytes this rank sent to / received from other ranks."""
-
-    sent: int = 0
-    received: int = 0
-
-    def add(self, send_splits: list[int], recv_splits: list[int], me: int) -> None:
-        self.sent += _BF16_BYTES * (sum(send_splits) - send_splits[me])
-        self.received += _BF16_BYTES * (sum(recv_splits) - recv_splits[me])
+__all__ = ["BatchExchange", "warmup_groups"]
 
 
 @dataclass
@@ -52,7 +39,7 @@ class BatchExchange:
 
     layout: MatrixLayout
     owners: tuple[int, ...]
-    traffic: ExchangeBytes
+    stats: StepStats
     _work: dist.Work | None = field(default=None, repr=False)
     _recv: Tensor | None = field(default=None, repr=False)
     _order: list[int] = field(default_factory=list, repr=False)
@@ -66,6 +53,17 @@ class BatchExchange:
         """Which matrix of the batch this rank owns, or ``None``."""
         me = self.group.rank_index
         return self.owners.index(me) if me in self.owners else None
+
+    def minimum_bytes(self) -> int:
+        """What this rank must send: its pieces to other owners, and as owner the others' pieces."""
+        me = self.group.rank_index
+        total = 0
+        for owner in self.owners:
+            if owner == me:
+                total += sum(self.layout.piece_numel(j) for j in range(self.group.size) if j != me)
+            else:
+                total += self.layout.piece_numel(me)
+        return BF16_BYTES * total
 
     def _piece_splits(self) -> list[int]:
         """Per rank index: the size of its piece of the matrix this rank owns (or zeros)."""
@@ -97,7 +95,7 @@ class BatchExchange:
             group=self.group.process_group,
             async_op=True,
         )
-        self.traffic.add(send_splits, recv_splits, self.group.rank_index)
+        self.stats.add_traffic(send_splits, recv_splits, self.group.rank_index)
 
     def assemble(self) -> Tensor | None:
         """Wait for the gather; return the owned whole matrix ``[rows, cols]`` (bf16) or None."""
@@ -127,7 +125,7 @@ class BatchExchange:
             group=self.group.process_group,
             async_op=True,
         )
-        self.traffic.add(send_splits, recv_splits, self.group.rank_index)
+        self.stats.add_traffic(send_splits, recv_splits, self.group.rank_index)
 
     def finish_return(self) -> list[Tensor]:
         """Wait for the return; this rank's result pieces, in the matrices' order."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from shardmuon.adamw import adamw_update_
-from shardmuon.exchange import BatchExchange, ExchangeBytes, warmup_groups
+from shardmuon.exchange import BatchExchange, warmup_groups
 from shardmuon.layout import (
     MatrixLayout,
     MuonBatch,
@@ -46,25 +46,14 @@ from shardmuon.layout import (
 )
 from shardmuon.newton_schulz import newton_schulz, newton_schulz_unfolded, resolve_coefficients
 from shardmuon.partitions import check_partitions, orthogonalize_blocks, row_scales
-from shardmuon.update import ADJUST_LR_CHOICES, momentum_update_, weight_update_
+from shardmuon.telemetry import StepStats
+from shardmuon.update import momentum_update_, weight_update_
+from shardmuon.validation import check_adjust_lr, check_grads, check_group, check_mesh, check_number
 
 __all__ = ["AdamWChunk", "Muon", "StepStats"]
 
-ALGORITHMS = ("muon", "adamw")
 NS_IMPLEMENTATIONS = {"folded": newton_schulz, "unfolded": newton_schulz_unfolded}
 CHECK_GRADS = ("first", "always", "never")
-
-
-@dataclass
-class StepStats:
-    """What the last step did on this rank (for benchmarks and logs)."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_minimum: int = 0
-    num_batches: int = 0
-    matrices_orthogonalized: int = 0
-    owned_shapes: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -90,43 +79,6 @@ class _Run:
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _check_nonnegative(name: str, value: Any, upper: float | None = None) -> None:
-    if isinstance(value, Tensor):
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    if not value >= 0.0 or (upper is not None and not value < upper):
-        accepted = f"in [0, {upper:g})" if upper is not None else ">= 0"
-        raise ValueError(f"{name} must be {accepted}, got {value!r}")
-
-
-def _check_group(index: int, group: dict) -> None:
-    where = f"param group {index}"
-    if group["algorithm"] not in ALGORITHMS:
-        raise ValueError(
-            f"{where}: unknown algorithm {group['algorithm']!r}; accepted: 'muon', 'adamw'"
-        )
-    if group["adjust_lr"] not in ADJUST_LR_CHOICES:
-        raise ValueError(
-            f"{where}: unknown adjust_lr {group['adjust_lr']!r}; accepted: 'rms_norm', "
-            "'spectral_norm', 'keller_muon' or None"
-        )
-    _check_nonnegative(f"{where}: lr", group["lr"])
-    _check_nonnegative(f"{where}: mu", group["mu"], 1.0)
-    _check_nonnegative(f"{where}: beta1", group["beta1"], 1.0)
-    _check_nonnegative(f"{where}: beta2", group["beta2"], 1.0)
-    _check_nonnegative(f"{where}: weight_decay", group["weight_decay"])
-    _check_nonnegative(f"{where}: epsilon", group["epsilon"])
-    if group["algorithm"] == "muon":
-        for i, p in enumerate(group["params"]):
-            if p.ndim < 2:
-                raise ValueError(
-                    f"{where} (algorithm 'muon'): parameter {i} has shape {tuple(p.shape)}; "
-                    "Muon needs matrices (2-D or more); put 0-D/1-D parameters in an "
-                    "'adamw' group"
-                )
 
 
 class Muon(Optimizer):
@@ -202,7 +154,7 @@ class Muon(Optimizer):
                 f"unknown check_grads {check_grads!r}; accepted: "
                 f"{', '.join(map(repr, CHECK_GRADS))}"
             )
-        _check_mesh(distributed_mesh)
+        check_mesh(distributed_mesh)
         for name, value, upper in (
             ("lr", lr, None),
             ("mu", mu, 1.0),
@@ -211,12 +163,8 @@ class Muon(Optimizer):
             ("weight_decay", weight_decay, None),
             ("epsilon", epsilon, None),
         ):
-            _check_nonnegative(name, value, upper)
-        if adjust_lr not in ADJUST_LR_CHOICES:
-            raise ValueError(
-                f"unknown adjust_lr {adjust_lr!r}; accepted: 'rms_norm', 'spectral_norm', "
-                "'keller_muon' or None"
-            )
+            check_number(name, value, upper)
+        check_adjust_lr("", adjust_lr)
         defaults = dict(
             lr=lr,
             mu=mu,
@@ -252,7 +200,7 @@ class Muon(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (validated as in the constructor); the plan is rebuilt."""
         super().add_param_group(param_group)
-        _check_group(len(self.param_groups) - 1, self.param_groups[-1])
+        check_group(len(self.param_groups) - 1, self.param_groups[-1])
         if self._plan is not None:
             self._plan = self._build_plan()
             self._init_state()
@@ -421,7 +369,7 @@ class Muon(Optimizer):
             self._round_done.clear()
 
     def _begin_round(self) -> None:
-        self._preflight()
+        check_grads(self.param_groups)
         for group in self.param_groups:
             group["step"] += 1
         self.last_step_stats = StepStats()
@@ -430,34 +378,6 @@ class Muon(Optimizer):
         ):
             self._check_grad_presence()
             self._grads_checked = True
-
-    def _preflight(self) -> None:
-        """Check every grad locally before any collective, so bad input raises on all ranks."""
-        for g, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                grad = p.grad
-                if grad is None:
-                    continue
-                where = f"param group {g} parameter {i} (shape {tuple(p.shape)})"
-                if isinstance(p, DTensor) != isinstance(grad, DTensor):
-                    kind = "a DTensor" if isinstance(p, DTensor) else "a plain tensor"
-                    raise TypeError(
-                        f"{where} is {kind} but its grad is "
-                        f"{'a DTensor' if isinstance(grad, DTensor) else 'a plain tensor'}; "
-                        "the grad must be laid out like the parameter"
-                    )
-                if isinstance(p, DTensor) and (
-                    grad.placements != p.placements or grad.device_mesh != p.device_mesh
-                ):
-                    raise ValueError(
-                        f"{where}: grad placements {tuple(grad.placements)} on mesh "
-                        f"{grad.device_mesh} differ from the parameter's "
-                        f"{tuple(p.placements)} on mesh {p.device_mesh}"
-                    )
-                if grad.shape != p.shape:
-                    raise ValueError(
-                        f"{where}: grad shape {tuple(grad.shape)} differs from the parameter's"
-                    )
 
     def _check_grad_presence(self) -> None:
         """All-reduce grad presence per shard group; raise on every rank if it differs."""
@@ -519,9 +439,9 @@ class Muon(Optimizer):
             return _Run(batch, segments, stacked)
         pieces = [d for block in directions for d in block.unbind(0)]
         owners = self._active_owners(batch, segments)
-        exchange = BatchExchange(batch.layout, owners, _TrafficCounter(stats))
+        exchange = BatchExchange(batch.layout, owners, stats)
         exchange.start_gather(pieces)
-        stats.bytes_minimum += _minimum_bytes(batch.layout, owners)
+        stats.bytes_minimum += exchange.minimum_bytes()
         return _Run(batch, segments, pieces, exchange)
 
     def _active_owners(self, batch: MuonBatch, segments: list[Segment]) -> tuple[int, ...]:
@@ -640,7 +560,7 @@ class Muon(Optimizer):
         )
         directions = [self._views(i, u.to(torch.bfloat16)) for i, u in zip(indices, U)]
         if layout.exchanged:
-            exchange = BatchExchange(layout, owners, _TrafficCounter(self.last_step_stats))
+            exchange = BatchExchange(layout, owners, self.last_step_stats)
             exchange.start_gather([m for d in directions for m in d.unbind(0)])
             whole = exchange.assemble()
             result = None if whole is None else self._orthogonalize(whole[None], batch)[0]
@@ -687,32 +607,6 @@ class _Plan:
     adamw: list[AdamWChunk]
 
 
-class _TrafficCounter(ExchangeBytes):
-    """Counts exchange bytes straight into a StepStats."""
-
-    def __init__(self, stats: StepStats) -> None:
-        super().__init__()
-        self._stats = stats
-
-    def add(self, send_splits: list[int], recv_splits: list[int], me: int) -> None:
-        before_sent, before_received = self.sent, self.received
-        super().add(send_splits, recv_splits, me)
-        self._stats.bytes_sent += self.sent - before_sent
-        self._stats.bytes_received += self.received - before_received
-
-
-def _minimum_bytes(layout: MatrixLayout, owners: tuple[int, ...]) -> int:
-    """Bytes this rank must send: its pieces to other owners, and as owner the others' pieces."""
-    me = layout.group.rank_index
-    total = 0
-    for owner in owners:
-        if owner == me:
-            total += sum(layout.piece_numel(j) for j in range(layout.group.size) if j != me)
-        else:
-            total += layout.piece_numel(me)
-    return 2 * total
-
-
 def _distribute_like(value: Tensor, param: DTensor) -> DTensor:
     """A full (e.g. dion single-process) state tensor laid out like ``param``, no communication."""
     if value.shape != param.shape:
@@ -723,13 +617,3 @@ def _distribute_like(value: Tensor, param: DTensor) -> DTensor:
     return distribute_tensor(
         value.to(_local(param).device), param.device_mesh, param.placements, src_data_rank=None
     )
-
-
-def _check_mesh(mesh: Any) -> None:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if mesh is not None and not isinstance(mesh, (DeviceMesh, dist.ProcessGroup)):
-        raise TypeError(
-            f"distributed_mesh must be None, a DeviceMesh or a ProcessGroup, got "
-            f"{type(mesh).__name__}; shardmuon reads the distribution from the parameters"
-        )

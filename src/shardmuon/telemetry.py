@@ -1,0 +1,32 @@
+"""What a step did on this rank: all-to-all bytes, batches, matrices (for benchmarks and logs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["BF16_BYTES", "StepStats"]
+
+BF16_BYTES = 2
+
+
+@dataclass
+class StepStats:
+    """Counters of the last step on this rank.
+
+    ``bytes_sent``/``bytes_received``: all-to-all payload to/from other ranks (a rank's piece
+    of its own matrix never leaves it); ``bytes_minimum``: what "each non-owner piece to its
+    owner and back once, in bf16" requires of this rank; ``owned_shapes``: the
+    ``(rows, cols)`` of every matrix this rank orthogonalized.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_minimum: int = 0
+    num_batches: int = 0
+    matrices_orthogonalized: int = 0
+    owned_shapes: list[tuple[int, int]] = field(default_factory=list)
+
+    def add_traffic(self, send_splits: list[int], recv_splits: list[int], me: int) -> None:
+        """Count one all-to-all given its split sizes (elements) and this rank's index."""
+        self.bytes_sent += BF16_BYTES * (sum(send_splits) - send_splits[me])
+        self.bytes_received += BF16_BYTES * (sum(recv_splits) - recv_splits[me])
