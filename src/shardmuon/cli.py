@@ -57,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = _default_bench_command(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = argv  # recorded with the results
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)

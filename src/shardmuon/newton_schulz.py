@@ -157,10 +157,16 @@ def newton_schulz(
     norm = torch.linalg.vector_norm(X32, dim=(-2, -1), keepdim=True)
     X = (X32 / (norm + eps)).to(torch.bfloat16)
     X, shape = _as_batch3d(X)
+    # One matrix goes through the 2-D kernels: on CPU, bf16 bmm with a batch of 1 can be
+    # several times slower than mm, and both give the same bits per matrix.
+    if X.size(0) == 1:
+        X, matmul, matmul_add = X[0], torch.mm, torch.addmm
+    else:
+        matmul, matmul_add = torch.bmm, torch.baddbmm
     for a, b, c in coeffs:
-        A = torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
+        A = matmul(X, X.mT)
+        B = matmul_add(A, A, A, beta=b, alpha=c)
+        X = matmul_add(X, B, X, beta=a, alpha=1.0)
     X = X.reshape(shape)
     return X.mT if transposed else X
 

@@ -19,6 +19,7 @@ from shardmuon.bench.report import (
     new_progress,
     print_table,
     save_plot,
+    set_threads,
     write_json,
 )
 from shardmuon.newton_schulz import (
@@ -170,6 +171,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--repeats", type=int, default=5, help="timed calls per figure (median)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--json", type=str, default=None, help="write all figures to this JSON file")
     p.add_argument("--plot", type=str, default=None, help="write a PNG bar chart here")
@@ -189,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark from parsed arguments; returns the exit code."""
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    set_threads(args.threads)
     device = _device(args.device)
     if args.shapes is None:
         shapes = list(GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
@@ -240,7 +243,14 @@ def run(args: argparse.Namespace) -> int:
         "||NS - NS_fp64|| / ||NS_fp64||.",
     )
     if args.json:
-        write_json(args.json, {"benchmark": "ns", "environment": environment(), "results": rows})
+        write_json(
+            args.json,
+            {
+                "benchmark": "ns",
+                "environment": environment(argv=getattr(args, "argv", None)),
+                "results": rows,
+            },
+        )
     if args.plot:
         save_plot(args.plot, lambda ax: _draw(ax, rows), "Newton-Schulz per call")
     return 0

@@ -28,6 +28,7 @@ __all__ = [
     "new_progress",
     "print_table",
     "save_plot",
+    "set_threads",
     "stderr_console",
     "synchronize",
     "write_json",
@@ -37,7 +38,11 @@ __all__ = [
 def _console(stderr: bool):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal:
+        # Piped or captured output: rich would wrap tables at 80 columns.
+        console = Console(stderr=stderr, highlight=False, width=160)
+    return console
 
 
 def stderr_console():
@@ -45,8 +50,13 @@ def stderr_console():
     return _console(stderr=True)
 
 
-def environment(world_size: int = 1, threads: int | None = None) -> dict[str, Any]:
-    """What a figure depends on: versions, device, threads, world size, command line, date."""
+def environment(
+    world_size: int = 1, threads: int | None = None, argv: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """What a figure depends on: versions, device, threads, world size, command line, date.
+
+    ``argv``: the arguments after the program name (default ``sys.argv[1:]``).
+    """
     import shardmuon
 
     if torch.cuda.is_available():
@@ -65,7 +75,7 @@ def environment(world_size: int = 1, threads: int | None = None) -> dict[str, An
         "cpu_count": os.cpu_count(),
         "threads": threads if threads is not None else torch.get_num_threads(),
         "world_size": world_size,
-        "command": shlex.join(["shardmuon", *sys.argv[1:]]),
+        "command": shlex.join(["shardmuon", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -128,6 +138,15 @@ def new_progress(enabled: bool = True):
         console=stderr_console(),
         transient=True,
     )
+
+
+def set_threads(threads: int | None) -> None:
+    """Set torch's intra-op threads (``None``: leave torch's default); ``ValueError`` if < 1."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
 
 
 def synchronize(device: torch.device) -> None:

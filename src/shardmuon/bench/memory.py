@@ -1,0 +1,94 @@
+"""Memory of one optimizer step on CPU, where there is no allocator peak counter.
+
+``torch.profiler`` with ``profile_memory=True`` records every allocation and free of the
+CPU allocator (size and time). Summed in time order from the start of the step, they give
+the live bytes the step added at each moment; the maximum is the step's transient peak.
+The peak of the step is that plus the bytes alive when it started (params, grads and
+optimizer state, counted once per storage).
+
+Limits: allocations made on threads the profiler does not follow (a communication
+library's own buffers) are not seen; tensors created by the step are. The profiled step
+runs slower, so it is a separate step from the timed ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["StepMemory", "live_bytes", "measure_cpu_step", "peak_of_events"]
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Peak live bytes during a step, and the part of it the step itself allocated."""
+
+    peak_bytes: int
+    transient_bytes: int
+
+
+def live_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shards)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def peak_of_events(events: Iterable[tuple[int, int]]) -> int:
+    """Max over time of the running sum of ``(time, +/-bytes)`` events, at least 0."""
+    running = peak = 0
+    for _, nbytes in sorted(events, key=lambda e: e[0]):
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def measure_cpu_step(step: Callable[[], object], baseline_bytes: int) -> StepMemory:
+    """Run ``step()`` once under the profiler; return its peak and transient bytes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _stderr_silenced():  # kineto prints a line on start and stop, on fd 2
+        prof.start()
+    try:
+        step()
+    finally:
+        with _stderr_silenced():
+            prof.stop()
+    # The raw event list keeps every allocation with its own size and timestamp; the
+    # aggregated FunctionEvents fold allocations made inside an op into that op.
+    events = [
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
+    transient = peak_of_events(events)
+    return StepMemory(peak_bytes=baseline_bytes + transient, transient_bytes=transient)
