@@ -1,0 +1,985 @@
+"""Cases run inside each spawned gloo world (see ``dist_harness``); one registry for all sizes.
+
+Every case checks the distributed optimizer against something independent of it: the same
+``Muon`` on plain (single-process) tensors with the same grads (bitwise), the bytes actually
+handed to ``dist.all_to_all_single`` (counted by a wrapper) against the bytes implied by the
+global shapes, the shards every rank really holds and the owners, or pinned error messages.
+
+Cases do all their collectives before any assertion, so a check failing on one rank only
+leaves the ranks in step for the next case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from shardmuon import Muon, newton_schulz
+from shardmuon.layout import MuonBatch
+
+ALL_WORLDS = (1, 2, 3, 4)
+MULTI_RANK = (2, 3, 4)
+MESH_2X2 = (4,)
+BF16_BYTES = 2
+S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
+
+
+@dataclass
+class Context:
+    """Per rank: a 1-D mesh over the world and, at world size 4, a 2x2 mesh."""
+
+    rank: int
+    world_size: int
+    mesh: DeviceMesh
+    mesh_2d: DeviceMesh | None
+
+    def mesh_for(self, name: str) -> DeviceMesh:
+        return self.mesh_2d if name == "2d" else self.mesh
+
+
+def make_context(rank: int, world_size: int) -> Context:
+    """Called once per rank by the harness: build the meshes every case shares."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    mesh_2d = None
+    if world_size == 4:
+        # FSDP2's HSDP needs named mesh dims.
+        mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return Context(rank, world_size, mesh, mesh_2d)
+
+
+@dataclass(frozen=True)
+class Case:
+    run: Callable[[Context], None]
+    worlds: tuple[int, ...]
+
+    def __call__(self, ctx: Context) -> None:
+        self.run(ctx)
+
+
+CASES: dict[str, Case] = {}
+
+
+def case(name: str, worlds: tuple[int, ...] = ALL_WORLDS):
+    """Register ``fn(ctx)`` as case ``name`` for the given world sizes."""
+
+    def register(fn: Callable[[Context], None]) -> Callable[[Context], None]:
+        if name in CASES:
+            raise ValueError(f"case {name!r} registered twice")
+        CASES[name] = Case(fn, worlds)
+        return fn
+
+    return register
+
+
+def cases_for(world_size: int) -> list[str]:
+    """Names of the cases that run at ``world_size``, in registration order."""
+    return [name for name, c in CASES.items() if world_size in c.worlds]
+
+
+# ------------------------------------------------------------------ parameters
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One parameter: global shape, placements (``None``: a plain tensor), mesh, group."""
+
+    shape: tuple[int, ...]
+    placements: tuple | None = None
+    mesh: str = "1d"
+    algorithm: str = "muon"
+    partitions: tuple[int, ...] | None = None
+    has_grad: bool = True
+
+
+def place(ctx: Context, spec: Spec, full: torch.Tensor) -> torch.Tensor:
+    """This rank's version of ``full`` (the same on every rank): a DTensor or a plain copy."""
+    if spec.placements is None:
+        return full.clone()
+    return distribute_tensor(
+        full.clone(), ctx.mesh_for(spec.mesh), list(spec.placements), src_data_rank=None
+    )
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The global tensor (collective for DTensors)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def random_tensors(shapes: list[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for shape in shapes]
+
+
+def make_optimizer(params: list[torch.Tensor], specs: list[Spec], **kwargs) -> Muon:
+    """Muon with one group per algorithm, params in spec order; partitions from the specs."""
+    groups = []
+    for algorithm in ("muon", "adamw"):
+        members = [p for p, s in zip(params, specs) if s.algorithm == algorithm]
+        if members:
+            groups.append({"params": members, "algorithm": algorithm})
+    partitions = {p: s.partitions for p, s in zip(params, specs) if s.partitions is not None}
+    return Muon(groups, matrix_partitions=partitions or None, **kwargs)
+
+
+def muon_params(opt: Muon) -> list[torch.Tensor]:
+    """The Muon parameters in plan order (groups, then params), which batch segments index."""
+    return [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
+
+
+# ---------------------------------------------------------------- all-to-all
+
+
+@dataclass(frozen=True)
+class AllToAllCall:
+    """One ``all_to_all_single`` as this rank made it: bytes to / from other ranks."""
+
+    ranks: tuple[int, ...]
+    sent: int
+    received: int
+    dtype: torch.dtype
+    input_matches_splits: bool
+
+
+@contextlib.contextmanager
+def counting_all_to_all() -> Iterator[list[AllToAllCall]]:
+    """Wrap ``dist.all_to_all_single`` and record each call's payload to other ranks."""
+    original = dist.all_to_all_single
+    calls: list[AllToAllCall] = []
+
+    def counted(
+        output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs
+    ):
+        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        me = ranks.index(dist.get_rank())
+        k = len(ranks)
+        ins = list(input_split_sizes) if input_split_sizes else [input.numel() // k] * k
+        outs = list(output_split_sizes) if output_split_sizes else [output.numel() // k] * k
+        calls.append(
+            AllToAllCall(
+                ranks=ranks,
+                sent=(sum(ins) - ins[me]) * input.element_size(),
+                received=(sum(outs) - outs[me]) * output.element_size(),
+                dtype=input.dtype,
+                input_matches_splits=input.numel() == sum(ins) and output.numel() == sum(outs),
+            )
+        )
+        return original(output, input, output_split_sizes, input_split_sizes, group, **kwargs)
+
+    dist.all_to_all_single = counted
+    try:
+        yield calls
+    finally:
+        dist.all_to_all_single = original
+
+
+def matrix_shard_group(p: torch.Tensor, flatten: bool) -> tuple[int, ...] | None:
+    """Global ranks sharing ``p``'s one matrix-dim shard, read from its placements, or None."""
+    if not isinstance(p, DTensor):
+        return None
+    matrix_dims = set(range(p.ndim)) if flatten else {p.ndim - 2, p.ndim - 1}
+    groups = [
+        tuple(dist.get_process_group_ranks(p.device_mesh.get_group(d)))
+        for d, placement in enumerate(p.placements)
+        if isinstance(placement, Shard)
+        and placement.dim % p.ndim in matrix_dims
+        and p.device_mesh.size(d) > 1
+    ]
+    if len(groups) > 1:
+        raise AssertionError(f"test setup: {tuple(p.placements)} has two matrix-dim shards")
+    return groups[0] if groups else None
+
+
+def local_matrices(p: torch.Tensor, flatten: bool) -> tuple[int, int, int]:
+    """This rank's piece of ``p`` as ``(count, rows, cols)`` of matrices."""
+    shape = local(p).shape
+    if flatten:
+        return 1, shape[0], math.prod(shape[1:])
+    return math.prod(shape[:-2]), shape[-2], shape[-1]
+
+
+def global_matrix(p: torch.Tensor, flatten: bool) -> tuple[int, int]:
+    if flatten:
+        return p.shape[0], math.prod(p.shape[1:])
+    return p.shape[-2], p.shape[-1]
+
+
+@dataclass
+class Traffic:
+    """What one step should move and compute, derived from shapes, shards and owners."""
+
+    sent: int = 0
+    received: int = 0
+    exchanged_batches: int = 0
+    groups: set[tuple[int, ...]] = field(default_factory=set)
+    problems: list[str] = field(default_factory=list)
+
+
+def expected_traffic(ctx: Context, opt: Muon, flatten: bool) -> Traffic:
+    """Bytes this rank must send/receive: each non-owner piece to its owner and back, bf16.
+
+    Piece sizes come from the local shapes every rank really holds (gathered), groups from
+    the placements; only the owners are taken from the optimizer's batches (and checked:
+    distinct, in range, at most one matrix per rank per batch). Collective.
+    """
+    params = muon_params(opt)
+    mine = [local_matrices(p, flatten) for p in params]
+    everyone: list = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    traffic = Traffic()
+    seen: set[tuple[int, int]] = set()
+    for chunk in opt.chunks():
+        if not isinstance(chunk, MuonBatch) or not chunk.layout.exchanged:
+            continue
+        traffic.exchanged_batches += 1
+        units = [(s.param_index, i) for s in chunk.segments for i in range(s.start, s.stop)]
+        owners = chunk.owners
+        ranks = matrix_shard_group(params[units[0][0]], flatten)
+        if ranks is None or tuple(chunk.layout.group.ranks) != ranks:
+            traffic.problems.append(
+                f"batch {chunk.index}: group {chunk.layout.group.ranks} but the placements "
+                f"say {ranks}"
+            )
+            continue
+        traffic.groups.add(ranks)
+        k = len(ranks)
+        if len(owners) != len(units) or len(set(owners)) != len(owners) or len(units) > k:
+            traffic.problems.append(
+                f"batch {chunk.index}: {len(units)} matrices, owners {owners}, group of {k}"
+            )
+            continue
+        if not all(0 <= o < k for o in owners):
+            traffic.problems.append(f"batch {chunk.index}: owners {owners} out of range")
+            continue
+        me = ranks.index(ctx.rank)
+        for (index, i), owner in zip(units, owners):
+            if (index, i) in seen:
+                traffic.problems.append(f"matrix {i} of Muon param {index} in two batches")
+            seen.add((index, i))
+            if params[index].grad is None:
+                continue
+            pieces = [everyone[r][index][1] * everyone[r][index][2] for r in ranks]
+            if me == owner:
+                others = sum(pieces) - pieces[me]
+                traffic.sent += BF16_BYTES * others
+                traffic.received += BF16_BYTES * others
+            else:
+                traffic.sent += BF16_BYTES * pieces[me]
+                traffic.received += BF16_BYTES * pieces[me]
+    for index, p in enumerate(params):
+        if matrix_shard_group(p, flatten) is None:
+            continue
+        missing = [i for i in range(mine[index][0]) if (index, i) not in seen]
+        if missing:
+            traffic.problems.append(f"matrices {missing} of Muon param {index} in no batch")
+    return traffic
+
+
+def check_step_traffic(
+    ctx: Context, opt: Muon, calls: list[AllToAllCall], flatten: bool, label: str
+) -> list[str]:
+    """Compare the counted all-to-alls with the stats and the independent expectation."""
+    expected = expected_traffic(ctx, opt, flatten)
+    stats = opt.last_step_stats
+    counted_sent = sum(c.sent for c in calls)
+    counted_received = sum(c.received for c in calls)
+    problems = [f"{label}: {p}" for p in expected.problems]
+
+    def expect(what: str, got, want) -> None:
+        if got != want:
+            problems.append(f"{label}: {what} is {got}, expected {want}")
+
+    expect("stats.bytes_sent vs bytes counted at all_to_all_single", stats.bytes_sent, counted_sent)
+    expect("stats.bytes_received vs bytes counted", stats.bytes_received, counted_received)
+    expect("stats.bytes_sent vs stats.bytes_minimum", stats.bytes_sent, stats.bytes_minimum)
+    expect("bytes sent (counted) vs shapes and owners", counted_sent, expected.sent)
+    expect("bytes received (counted) vs shapes and owners", counted_received, expected.received)
+    expect("all_to_all_single calls", len(calls), 2 * expected.exchanged_batches)
+    bad = [c for c in calls if c.dtype != torch.bfloat16 or not c.input_matches_splits]
+    if bad:
+        problems.append(f"{label}: all-to-alls not bf16 or with data beyond the splits: {bad}")
+    stray = {c.ranks for c in calls} - expected.groups
+    if stray:
+        problems.append(f"{label}: all-to-alls on groups {stray} no parameter is sharded over")
+    return problems
+
+
+def check_orthogonalized(ctx: Context, opt: Muon, flatten: bool, label: str) -> list[str]:
+    """World-wide: every matrix with a grad orthogonalized exactly once per shard group."""
+    expected: Counter = Counter()
+    for p in muon_params(opt):
+        if p.grad is None:
+            continue
+        count, _, _ = local_matrices(p, flatten)
+        ranks = matrix_shard_group(p, flatten)
+        # A matrix sharded over k ranks is orthogonalized once by its owner: k pieces, 1 matrix.
+        expected[(global_matrix(p, flatten), len(ranks) if ranks else 1)] += count
+    stats = opt.last_step_stats
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, (dict(expected), list(stats.owned_shapes)))
+    want: Counter = Counter()
+    for counts, _ in gathered:
+        for (shape, k), n in counts.items():
+            want[tuple(shape)] += n / k
+    got = Counter(tuple(s) for _, shapes in gathered for s in shapes)
+    if any(n != int(n) for n in want.values()) or got != Counter(
+        {s: int(n) for s, n in want.items()}
+    ):
+        return [f"{label}: orthogonalized shapes (world) {dict(got)}, expected {dict(want)}"]
+    return []
+
+
+# ----------------------------------------------------- single-process equality
+
+
+def compare_states(
+    specs: list[Spec], dist_opt: Muon, dist_params: list, ref_opt: Muon, ref_params: list, label
+) -> list[str]:
+    """Bitwise param/momentum/variance/step comparison (gathers first, then checks).
+
+    ``ref_params`` are usually plain tensors; DTensors (another distributed run) work too.
+    """
+    pairs = []
+    for i, (p, r) in enumerate(zip(dist_params, ref_params)):
+        pairs.append((f"param {i}", full(p).detach(), full(r).detach()))
+        for key in ("momentum", "variance"):
+            if key in ref_opt.state[r]:
+                got, want = dist_opt.state[p][key], ref_opt.state[r][key]
+                pairs.append((f"{key} {i}", full(got), full(want)))
+    problems = []
+    for what, got, want in pairs:
+        if not torch.equal(got, want):
+            diff = (got.double() - want.double()).abs().max().item()
+            index = int(what.split()[-1])
+            problems.append(f"{label}: {what} {specs[index]} differs (max abs diff {diff:.3g})")
+    steps = [g["step"] for g in dist_opt.param_groups]
+    ref_steps = [g["step"] for g in ref_opt.param_groups]
+    if steps != ref_steps:
+        problems.append(f"{label}: group step counters {steps}, single-process {ref_steps}")
+    return problems
+
+
+def step_by_chunks(opt: Muon) -> None:
+    """One round through ``chunks()``: exchanged batches in reverse, then AdamW, then local.
+
+    Exchanged batches are collectives, so every rank must take them in the same order; local
+    batches (whose count may differ between ranks) go last.
+    """
+    chunks = opt.chunks()
+    exchanged = [c for c in chunks if isinstance(c, MuonBatch) and c.layout.exchanged]
+    local_batches = [c for c in chunks if isinstance(c, MuonBatch) and not c.layout.exchanged]
+    adamw = [c for c in chunks if not isinstance(c, MuonBatch)]
+    for chunk in [*reversed(exchanged), *adamw, *local_batches]:
+        opt.step_chunk(chunk)
+
+
+def fail_on(problems: list[str]) -> None:
+    """Raise one AssertionError listing every problem (call only after the last collective)."""
+    if problems:
+        raise AssertionError("\n".join(problems))
+
+
+def check_against_single(ctx: Context, specs: list[Spec], **kwargs) -> Muon:
+    """:func:`compare_with_single`, raising on any problem; returns the distributed Muon."""
+    opt, problems = compare_with_single(ctx, specs, **kwargs)
+    fail_on(problems)
+    return opt
+
+
+def compare_with_single(
+    ctx: Context,
+    specs: list[Spec],
+    *,
+    steps: int = 3,
+    seed: int = 0,
+    chunked: bool = False,
+    expect_no_traffic: bool = False,
+    **muon_kwargs,
+) -> tuple[Muon, list[str]]:
+    """Step a distributed Muon and the same Muon on plain tensors; everything must match.
+
+    Checks per step: the traffic (counted vs stats vs shapes and owners) and what was
+    orthogonalized; at the end: params, momentum, variance and step counters, bitwise.
+    Returns the distributed optimizer and the problems found (empty: all matched); raising
+    is left to the caller, so that a case can run more collectives after a mismatch.
+    """
+    kwargs = {"lr": 0.02, "weight_decay": 0.1, "nesterov": True, **muon_kwargs}
+    flatten = bool(kwargs.get("flatten", False))
+    init = random_tensors([s.shape for s in specs], seed)
+    ref_params = [nn.Parameter(t.clone()) for t in init]
+    dist_params = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
+    ref = make_optimizer(ref_params, specs, **kwargs)
+    opt = make_optimizer(dist_params, specs, **kwargs)
+    has_partitions = any(s.partitions for s in specs)
+    problems: list[str] = []
+    for step in range(steps):
+        grads = random_tensors([s.shape for s in specs], seed * 1000 + step + 1)
+        for spec, r, p, g in zip(specs, ref_params, dist_params, grads):
+            r.grad = g.clone() if spec.has_grad else None
+            p.grad = place(ctx, spec, g) if spec.has_grad else None
+        ref.step()
+        with counting_all_to_all() as calls:
+            step_by_chunks(opt) if chunked else opt.step()
+        label = f"step {step + 1}"
+        problems += check_step_traffic(ctx, opt, calls, flatten, label)
+        if not has_partitions:
+            problems += check_orthogonalized(ctx, opt, flatten, label)
+        if expect_no_traffic and calls:
+            problems.append(f"{label}: {len(calls)} all-to-alls in a layout that needs none")
+    problems += compare_states(specs, opt, dist_params, ref, ref_params, f"after {steps} steps")
+    return opt, problems
+
+
+# ------------------------------------------------------- hand-built layouts
+
+# name -> (specs, Muon kwargs, world sizes, expect_no_traffic)
+LAYOUTS: dict[str, tuple[list[Spec], dict, tuple[int, ...], bool]] = {
+    "shard0_rows": (
+        [
+            Spec((64, 48), (S0,)),
+            Spec((64, 48), (S0,)),
+            Spec((64, 48), (S0,)),
+            Spec((48, 64), (S0,)),
+        ],
+        {"nesterov": False},
+        ALL_WORLDS,
+        False,
+    ),
+    "shard1_cols": (
+        [Spec((16, 30), (S1,)), Spec((30, 16), (S1,)), Spec((30, 16), (S1,))],
+        {"adjust_lr": "spectral_norm"},
+        ALL_WORLDS,
+        False,
+    ),
+    # 30 rows: 15/15, 10/10/10, 8/8/8/6; five matrices: more batches than ranks.
+    "uneven_30_rows": ([Spec((30, 16), (S0,))] * 5, {}, ALL_WORLDS, False),
+    # 3 rows on 4 ranks: 1/1/1/0; 2 rows on 3 or 4 ranks: empty shards too.
+    "empty_shards": (
+        [Spec((3, 16), (S0,)), Spec((3, 16), (S0,)), Spec((16, 3), (S1,)), Spec((2, 8), (S0,))],
+        {},
+        ALL_WORLDS,
+        False,
+    ),
+    # Five of one shape (a full batch and a short one) and a single matrix of another.
+    "short_batches": ([Spec((20, 12), (S0,))] * 5 + [Spec((9, 12), (S0,))], {}, ALL_WORLDS, False),
+    # 3-D stacks sharded on a matrix dim are exchanged matrix by matrix.
+    "stack_3d_exchanged": (
+        [Spec((4, 12, 8), (S1,)), Spec((3, 8, 12), (S2,)), Spec((2, 3, 9), (S1,))],
+        {"nesterov": False},
+        ALL_WORLDS,
+        False,
+    ),
+    # Expert parallel on a 1-D mesh: Shard(0) of a stack is a batch dim, so no communication
+    # (5 experts on 4 ranks: 2/2/1/0; 3 on 4: a rank without experts).
+    "experts_shard0_local": (
+        [Spec((5, 12, 8), (S0,)), Spec((3, 8, 8), (S0,)), Spec((24, 8), (R,))],
+        {},
+        ALL_WORLDS,
+        True,
+    ),
+    # Shards cross partition boundaries (rows 44 = 10 + 20 + 14) in both shard directions;
+    # a same-shape unpartitioned matrix must not share its batch.
+    "partitions_cross_shards": (
+        [
+            Spec((44, 16), (S0,), partitions=(10, 20, 14)),
+            Spec((44, 16), (S1,), partitions=(10, 20, 14)),
+            Spec((2, 30, 8), (S1,), partitions=(6, 24)),
+            Spec((44, 16), (S0,)),
+        ],
+        {},
+        ALL_WORLDS,
+        False,
+    ),
+    "plain_and_dtensor": (
+        [Spec((20, 12)), Spec((20, 12), (S0,)), Spec((6, 10), (R,)), Spec((2, 5, 7))],
+        {},
+        ALL_WORLDS,
+        False,
+    ),
+    "adamw_vectors": (
+        [
+            Spec((16, 16), (S0,)),
+            Spec((10,), (S0,), algorithm="adamw"),
+            Spec((3,), (S0,), algorithm="adamw"),
+            Spec((7,), (R,), algorithm="adamw"),
+            Spec((5,), algorithm="adamw"),
+            Spec((12, 8), (S0,), algorithm="adamw"),
+        ],
+        {"betas": (0.8, 0.9)},
+        ALL_WORLDS,
+        False,
+    ),
+    "no_nesterov_no_decay_no_scale": (
+        [Spec((30, 16), (S0,)), Spec((16, 30), (S1,)), Spec((3, 16), (S0,)), Spec((8, 8))],
+        {"nesterov": False, "weight_decay": 0.0, "adjust_lr": None, "mu": 0.9},
+        ALL_WORLDS,
+        False,
+    ),
+    "flatten_conv_like": (
+        [Spec((8, 3, 4), (S0,)), Spec((6, 2, 5), (S0,)), Spec((5, 4), (S0,))],
+        {"flatten": True},
+        ALL_WORLDS,
+        False,
+    ),
+    # A parameter without a grad on every rank is skipped (no momentum, no decay).
+    "grad_absent_everywhere": (
+        [Spec((30, 16), (S0,)), Spec((30, 16), (S0,), has_grad=False), Spec((9, 4), (S1,))],
+        {},
+        ALL_WORLDS,
+        False,
+    ),
+    "hsdp_2x2": (
+        [
+            Spec((30, 16), (R, S0), "2d"),
+            Spec((3, 16), (R, S0), "2d"),
+            Spec((16, 30), (R, S1), "2d"),
+            Spec((10,), (R, S0), "2d", algorithm="adamw"),
+        ],
+        {},
+        MESH_2X2,
+        False,
+    ),
+    # Expert parallel over mesh dim 0, FSDP over mesh dim 1 on the matrix rows/cols.
+    "ep_2x2": (
+        [
+            Spec((4, 12, 8), (S0, S1), "2d"),
+            Spec((3, 10, 6), (S0, S1), "2d"),
+            Spec((4, 6, 10), (S0, S2), "2d"),
+            Spec((12, 8), (S0,)),
+        ],
+        {},
+        MESH_2X2,
+        False,
+    ),
+    "nested_shard0_2x2": (
+        [Spec((5, 8, 6), (S0, S0), "2d"), Spec((4, 6, 6), (S0, S0), "2d")],
+        {},
+        MESH_2X2,
+        True,
+    ),
+    # Shards over mesh dim 0 only: groups {0, 2} and {1, 3}.
+    "mesh_dim0_groups_2x2": (
+        [
+            Spec((13, 7), (S0, R), "2d"),
+            Spec((7, 13), (S1, R), "2d"),
+            Spec((13, 7), (R, S0), "2d"),
+            Spec((6, 6), (R, R), "2d"),
+        ],
+        {},
+        MESH_2X2,
+        False,
+    ),
+}
+
+
+def _register_layout(name: str, specs: list[Spec], kwargs: dict, worlds, no_traffic: bool):
+    @case(f"layout_{name}", worlds)
+    def run(ctx: Context) -> None:
+        check_against_single(ctx, specs, expect_no_traffic=no_traffic, **kwargs)
+
+
+for _name, (_specs, _kwargs, _worlds, _quiet) in LAYOUTS.items():
+    _register_layout(_name, _specs, _kwargs, _worlds, _quiet)
+
+
+@case("layout_uneven_chunked")
+def _uneven_chunked(ctx: Context) -> None:
+    specs = LAYOUTS["partitions_cross_shards"][0] + LAYOUTS["adamw_vectors"][0]
+    check_against_single(ctx, specs, chunked=True)
+
+
+# ---------------------------------------------------------- FSDP2 on a model
+
+
+def _tiny_moe() -> nn.Module:
+    from shardmuon.models import build_model
+
+    return build_model("tiny-moe", num_layers=2, vocab_size=256, seed=0)
+
+
+def _routed(model: nn.Module):
+    from shardmuon.routing import build_param_groups
+
+    return build_param_groups(model.named_parameters(), lr=0.02, weight_decay=0.1)
+
+
+def check_fsdp_model(ctx: Context, mesh: DeviceMesh) -> None:
+    """FSDP2 ``fully_shard`` per decoder layer and root; random grads; vs single process."""
+    from torch.distributed.fsdp import fully_shard
+
+    reference, sharded = _tiny_moe(), _tiny_moe()
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    ref_routes, routes = _routed(reference), _routed(sharded)
+    kwargs = {"lr": 0.02, "weight_decay": 0.1, "nesterov": True}
+    ref = Muon(ref_routes.groups, matrix_partitions=ref_routes.partitions, **kwargs)
+    opt = Muon(routes.groups, matrix_partitions=routes.partitions, **kwargs)
+    ref_named = dict(reference.named_parameters())
+    named = dict(sharded.named_parameters())
+    problems = []
+    if set(named) != set(ref_named) or routes.labels != ref_routes.labels:
+        problems.append("test setup: names or routes differ between the two models")
+    not_dtensor = [n for n, p in named.items() if not isinstance(p, DTensor)]
+    if not_dtensor:
+        problems.append(f"test setup: fully_shard left plain params {not_dtensor}")
+    if not routes.partitions:
+        problems.append("test setup: no partitioned (gate_up) expert stack was routed")
+    names = sorted(ref_named)
+    for step in range(2):
+        grads = random_tensors([tuple(ref_named[n].shape) for n in names], 77 + step)
+        for n, g in zip(names, grads):
+            ref_named[n].grad = g.clone()
+            p = named[n]
+            p.grad = distribute_tensor(g, p.device_mesh, list(p.placements), src_data_rank=None)
+        ref.step()
+        with counting_all_to_all() as calls:
+            opt.step()
+        problems += check_step_traffic(ctx, opt, calls, False, f"step {step + 1}")
+    if ctx.world_size > 1 and opt.last_step_stats.bytes_sent == 0 and ctx.rank == 0:
+        problems.append("test setup: FSDP2 model moved no bytes on rank 0")
+    specs = [Spec(tuple(ref_named[n].shape), None) for n in names]
+    problems += compare_states(
+        specs, opt, [named[n] for n in names], ref, [ref_named[n] for n in names], "FSDP2"
+    )
+    fail_on(problems)
+
+
+@case("fsdp2_tiny_moe")
+def _fsdp(ctx: Context) -> None:
+    check_fsdp_model(ctx, ctx.mesh)
+
+
+@case("hsdp2_tiny_moe_2x2", MESH_2X2)
+def _hsdp(ctx: Context) -> None:
+    check_fsdp_model(ctx, ctx.mesh_2d)
+
+
+# ------------------------------------------------------------ chunked stepping
+
+CHUNK_SPECS = [
+    Spec((30, 16), (S0,)),
+    Spec((30, 16), (S0,)),
+    Spec((3, 16), (S0,)),
+    Spec((16, 30), (S1,)),
+    Spec((3, 6, 4), (S0,)),
+    Spec((5, 7)),
+    Spec((10,), (S0,), algorithm="adamw"),
+    Spec((4,), algorithm="adamw"),
+]
+
+
+@case("chunks_equal_step")
+def _chunks_equal_step(ctx: Context) -> None:
+    """Two rounds by chunks vs two by step(): same bits, same counters; then misuse raises."""
+    specs = CHUNK_SPECS
+    init = random_tensors([s.shape for s in specs], 5)
+    by_step = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
+    by_chunk = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
+    opt_step = make_optimizer(by_step, specs, lr=0.03, weight_decay=0.05, nesterov=True)
+    opt_chunk = make_optimizer(by_chunk, specs, lr=0.03, weight_decay=0.05, nesterov=True)
+    for step in range(2):
+        grads = random_tensors([s.shape for s in specs], 500 + step)
+        for s, a, b, g in zip(specs, by_step, by_chunk, grads):
+            a.grad, b.grad = place(ctx, s, g), place(ctx, s, g)
+        opt_step.step()
+        step_by_chunks(opt_chunk)
+    problems = compare_states(specs, opt_chunk, by_chunk, opt_step, by_step, "chunks vs step")
+    if [g["step"] for g in opt_chunk.param_groups] != [2] * len(opt_chunk.param_groups):
+        problems.append(f"step counters {[g['step'] for g in opt_chunk.param_groups]} != 2")
+
+    # Misuse: the same chunk twice in a round, and step() in the middle of a round. The
+    # chunk stepped first is local or AdamW-only where possible, so a rank that (wrongly)
+    # does not raise cannot strand the others in a collective.
+    chunks = opt_chunk.chunks()
+    first = next(c for c in reversed(chunks) if not _is_exchanged(c))
+    opt_chunk.step_chunk(first)
+    for what, call, error in (
+        ("a chunk stepped twice", lambda: opt_chunk.step_chunk(first), RuntimeError),
+        ("step() mid-round", opt_chunk.step, RuntimeError),
+    ):
+        try:
+            call()
+            problems.append(f"{what} did not raise")
+        except error as e:
+            if what.startswith("a chunk") and "already stepped in this round" not in str(e):
+                problems.append(f"{what}: unexpected message {e}")
+    for chunk in [c for c in chunks if _is_exchanged(c)] + [
+        c for c in chunks if not _is_exchanged(c) and c is not first
+    ]:
+        opt_chunk.step_chunk(chunk)
+    opt_chunk.step()  # a new round starts cleanly
+    if [g["step"] for g in opt_chunk.param_groups] != [4] * len(opt_chunk.param_groups):
+        problems.append(f"step counters {[g['step'] for g in opt_chunk.param_groups]} != 4")
+    fail_on(problems)
+
+
+def _is_exchanged(chunk) -> bool:
+    return isinstance(chunk, MuonBatch) and chunk.layout.exchanged
+
+
+# ------------------------------------------------------------ owner rotation
+
+
+@case("owner_rotation", MULTI_RANK)
+def _owner_rotation(ctx: Context) -> None:
+    """Single matrices of three shapes plus a long run of one shape over the world group.
+
+    With rotation the owned counts differ by at most one between ranks; without, every
+    batch starts at rank 0. Both give the single-process bits.
+    """
+    k = ctx.world_size
+    specs = [Spec((12, 10), (S0,)), Spec((14, 10), (S0,)), Spec((16, 10), (S0,))]
+    specs += [Spec((10, 12), (S0,))] * (2 * k + 1)
+    total = len(specs)
+    counts = {}
+    problems = []
+    for rotate in (True, False):
+        opt, found = compare_with_single(ctx, specs, steps=1, rotate_owners=rotate)
+        problems += [f"rotate_owners={rotate}: {p}" for p in found]
+        gathered: list = [None] * k
+        dist.all_gather_object(gathered, opt.last_step_stats.matrices_orthogonalized)
+        counts[rotate] = gathered
+        batches = sum(1 for c in opt.chunks() if _is_exchanged(c))
+        if not rotate and gathered[0] != batches:
+            problems.append(f"rotate_owners=False: rank 0 owns {gathered[0]}, batches {batches}")
+    if sum(counts[True]) != total or max(counts[True]) - min(counts[True]) > 1:
+        problems.append(f"owned per rank with rotation {counts[True]} for {total} matrices")
+    fail_on(problems)
+
+
+# ----------------------------------------------------- orthogonalize_chunk
+
+
+ORTHO_LAYOUTS = [
+    Spec((30, 16), (S0,)),
+    Spec((16, 30), (S1,)),
+    Spec((3, 16), (S0,)),
+    Spec((2, 12, 8), (S1,)),
+    Spec((20, 12), (S0,), partitions=(5, 15)),
+    Spec((5, 9, 6), (S0,)),
+    Spec((9, 6)),
+]
+
+
+@case("orthogonalize_chunk")
+def _orthogonalize_chunk(ctx: Context) -> None:
+    """Each rank's piece of the result is its piece of ``newton_schulz(U)`` on the whole matrix."""
+    problems = []
+    for spec in ORTHO_LAYOUTS:
+        group = matrix_shard_group(place(ctx, spec, torch.zeros(spec.shape)), False)
+        k = len(group) if group else 1
+        # As many parameters as fit in one exchange (at most k matrices), up to three.
+        per_param = math.prod(spec.shape[:-2])
+        count = max(1, min(3, k // per_param)) if group else 2
+        specs = [spec] * count
+        params = [nn.Parameter(place(ctx, spec, torch.zeros(spec.shape))) for _ in specs]
+        opt = make_optimizer(params, specs)
+        directions = random_tensors([spec.shape] * count, 900)
+        expected = [_ns_reference(u, spec.partitions) for u in directions]
+        pieces = [local(place(ctx, spec, u)) for u in directions]
+        want = [local(place(ctx, spec, e)) for e in expected]
+        for first_owner in range(k):
+            out = opt.orthogonalize_chunk(params, pieces, first_owner=first_owner)
+            for i, (got, w) in enumerate(zip(out, want)):
+                if got.dtype != torch.bfloat16 or not torch.equal(got, w):
+                    problems.append(
+                        f"{spec} first_owner={first_owner} matrix {i}: got {got.dtype} "
+                        f"{tuple(got.shape)}, differs from newton_schulz of the whole matrix"
+                    )
+        if k > 1:
+            extra = [nn.Parameter(place(ctx, spec, torch.zeros(spec.shape))) for _ in range(k + 1)]
+            opt = make_optimizer(extra, [spec] * (k + 1))
+            try:
+                opt.orthogonalize_chunk(extra, [local(x).clone() for x in extra])
+                problems.append(f"{spec}: {k + 1} matrices for {k} ranks did not raise")
+            except ValueError as e:
+                if f"pass at most {k}" not in str(e):
+                    problems.append(f"{spec}: unexpected message {e}")
+    fail_on(problems)
+
+
+def _ns_reference(u: torch.Tensor, partitions: tuple[int, ...] | None) -> torch.Tensor:
+    """``newton_schulz`` per matrix of the whole (bf16) direction, per row block if partitioned."""
+    mats = u.to(torch.bfloat16).reshape(-1, *u.shape[-2:])
+    out = []
+    for m in mats:
+        blocks = m.split(list(partitions), dim=0) if partitions else [m]
+        out.append(torch.cat([newton_schulz(b) for b in blocks], dim=0))
+    return torch.stack(out).reshape(u.shape)
+
+
+# ------------------------------------------------------------------ warmup
+
+
+@case("warmup_every_group")
+def _warmup(ctx: Context) -> None:
+    """``warmup()`` runs one all-to-all on each shard group the parameters imply, no other."""
+    specs = [Spec((30, 16), (S0,)), Spec((16, 3), (S1,)), Spec((5, 4, 4), (S0,)), Spec((4, 4))]
+    if ctx.mesh_2d is not None:
+        specs += [
+            Spec((12, 8), (R, S0), "2d"),
+            Spec((4, 12, 8), (S0, S1), "2d"),
+            Spec((13, 7), (S0, R), "2d"),
+            Spec((6, 6), (R, R), "2d"),
+        ]
+    params = [nn.Parameter(place(ctx, s, torch.zeros(s.shape))) for s in specs]
+    expected = {g for p in params if (g := matrix_shard_group(p, False)) is not None}
+    problems = []
+    for how in ("warmup()", "warmup=True"):
+        with counting_all_to_all() as calls:
+            if how == "warmup()":
+                make_optimizer(params, specs).warmup()
+            else:
+                make_optimizer(params, specs, warmup=True)
+        per_group = Counter(c.ranks for c in calls)
+        if set(per_group) != expected or any(n != 1 for n in per_group.values()):
+            problems.append(f"{how}: all-to-alls per group {dict(per_group)}, expected {expected}")
+    fail_on(problems)
+
+
+# ------------------------------------------------------------------ errors
+
+
+def expect_raises(error: type, fragments: list[str], call: Callable[[], object]) -> list[str]:
+    """Run ``call``; problems unless it raises ``error`` with every fragment in the message."""
+    try:
+        call()
+    except error as e:
+        missing = [f for f in fragments if f not in str(e)]
+        return [f"{error.__name__} message {str(e)!r} lacks {missing}"] if missing else []
+    except Exception as e:
+        return [f"expected {error.__name__}, got {type(e).__name__}: {e}"]
+    return [f"expected {error.__name__}, nothing was raised"]
+
+
+@contextlib.contextmanager
+def counting_all_reduce() -> Iterator[list[int]]:
+    """Record the element count of every ``dist.all_reduce`` (the grad-presence check's)."""
+    original = dist.all_reduce
+    calls: list[int] = []
+
+    def counted(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = original
+
+
+def _error_step(
+    ctx: Context,
+    grads: Callable[[list], None],
+    error: type,
+    fragments: list[str],
+    all_reduces: int = 0,
+) -> None:
+    """A step with bad grads raises on every rank before any all-to-all, params untouched.
+
+    ``all_reduces``: how many all-reduces may run first (the grad-presence check's one).
+    """
+    specs = [Spec((8, 6), (S0,)), Spec((9, 6), (S0,))]
+    init = random_tensors([s.shape for s in specs], 3)
+    params = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
+    opt = make_optimizer(params, specs)
+    grads(params)
+    with counting_all_to_all() as calls, counting_all_reduce() as reduces:
+        problems = expect_raises(error, fragments, opt.step)
+    if calls:
+        problems.append(f"{len(calls)} all-to-alls ran before the error")
+    if len(reduces) > all_reduces:
+        problems.append(f"{len(reduces)} all-reduces ran before the error (<= {all_reduces})")
+    changed = [i for i, (p, t) in enumerate(zip(params, init)) if not torch.equal(full(p), t)]
+    if changed:
+        problems.append(f"params {changed} changed by a step that raised")
+    fail_on(problems)
+
+
+@case("error_plain_grad_on_dtensor")
+def _plain_grad(ctx: Context) -> None:
+    def grads(params):
+        params[0].grad = place(ctx, Spec((8, 6), (S0,)), torch.ones(8, 6))
+        params[1].grad = torch.ones(9, 6)
+
+    _error_step(ctx, grads, TypeError, ["param group 0 parameter 1", "is a DTensor", "plain"])
+
+
+@case("error_grad_placements_differ", MULTI_RANK)
+def _grad_placements(ctx: Context) -> None:
+    def grads(params):
+        params[0].grad = place(ctx, Spec((8, 6), (S0,)), torch.ones(8, 6))
+        params[1].grad = place(ctx, Spec((9, 6), (R,)), torch.ones(9, 6))
+
+    _error_step(ctx, grads, ValueError, ["parameter 1", "grad placements", "Replicate", "Shard"])
+
+
+@case("error_grad_on_some_ranks", MULTI_RANK)
+def _grad_some_ranks(ctx: Context) -> None:
+    def grads(params):
+        params[0].grad = place(ctx, Spec((8, 6), (S0,)), torch.ones(8, 6))
+        if ctx.rank == 0:
+            params[1].grad = place(ctx, Spec((9, 6), (S0,)), torch.ones(9, 6))
+        else:
+            params[1].grad = None
+
+    _error_step(ctx, grads, ValueError, ["(9, 6)", "grad on some ranks"], all_reduces=1)
+
+
+@case("error_partial_param")
+def _partial(ctx: Context) -> None:
+    p = nn.Parameter(DTensor.from_local(torch.zeros(4, 3), ctx.mesh, [Partial()]))
+    q = nn.Parameter(place(ctx, Spec((6, 3), (S0,)), torch.zeros(6, 3)))
+    problems = expect_raises(
+        ValueError,
+        ["param 1", "Partial"],
+        lambda: Muon([{"params": [q, p], "algorithm": "muon"}]),
+    )
+    fail_on(problems)
+
+
+@case("error_two_matrix_shards_2x2", MESH_2X2)
+def _two_matrix_shards(ctx: Context) -> None:
+    ok = nn.Parameter(place(ctx, Spec((8, 8), (S0,)), torch.zeros(8, 8)))
+    two = nn.Parameter(place(ctx, Spec((8, 12), (S0, S1), "2d"), torch.zeros(8, 12)))
+    stack = nn.Parameter(place(ctx, Spec((2, 8, 12), (S1, S2), "2d"), torch.zeros(2, 8, 12)))
+    problems = expect_raises(
+        NotImplementedError,
+        ["param 1", "(8, 12)", "Shard(dim=0), Shard(dim=1)", "two matrix dims"],
+        lambda: Muon([{"params": [ok, two], "algorithm": "muon"}]),
+    )
+    problems += expect_raises(
+        NotImplementedError,
+        ["param 0", "Shard(dim=1), Shard(dim=2)"],
+        lambda: Muon([{"params": [stack], "algorithm": "muon"}]),
+    )
+    fail_on(problems)
+
+
+@case("exact_bytes_3_rows", MULTI_RANK)
+def _exact_bytes_3_rows(ctx: Context) -> None:
+    """3 rows of 16 on k ranks: the world sends exactly the non-owner rows, there and back."""
+    spec = Spec((3, 16), (S0,))
+    opt = check_against_single(ctx, [spec], steps=1)
+    (batch,) = [c for c in opt.chunks() if _is_exchanged(c)]
+    sent: list = [None] * ctx.world_size
+    dist.all_gather_object(sent, opt.last_step_stats.bytes_sent)
+    rows_per_rank = [len(c) for c in torch.arange(3).chunk(ctx.world_size)]
+    rows_per_rank += [0] * (ctx.world_size - len(rows_per_rank))
+    owner_rows = rows_per_rank[batch.owners[0]]
+    want = 2 * BF16_BYTES * (3 - owner_rows) * 16
+    fail_on([] if sum(sent) == want else [f"world sent {sent} (sum {sum(sent)}), expected {want}"])

@@ -1,0 +1,245 @@
+"""Spawn a gloo world once and run many named cases inside it.
+
+Starting a process group costs seconds (importing torch, the TCP rendezvous), so each
+world size is spawned once and runs a whole list of cases. A case is a function of a
+per-rank context that raises on failure. Every rank writes its results (ok, message,
+seconds per case) to ``<out_dir>/rank<r>.json`` after each case, so that the pytest
+process can report each (world, case, rank) on its own, even when a later case hangs or
+a rank dies. The world has a wall-clock limit; past it the processes are killed and every
+case without a result fails with that reason and the tail of the rank's log.
+
+A cases module (named as ``"module:ATTR"``) provides ``ATTR``: a dict name -> callable taking
+the context, and optionally ``make_context(rank, world_size)`` (default: a
+:class:`WorkerContext`). Modules are imported by name in the children, so they must be
+importable from ``sys.path`` (spawn passes the parent's ``sys.path`` on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+__all__ = ["CaseResult", "WorkerContext", "World", "free_ports", "launch_world"]
+
+# Lines of a rank's log shown when the world failed without a per-case result.
+LOG_TAIL_LINES = 25
+
+
+@dataclass
+class WorkerContext:
+    """What a case sees by default: its rank and the world size."""
+
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One rank's outcome of one case."""
+
+    ok: bool
+    message: str = ""
+    seconds: float = 0.0
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports that were free a moment ago (held open together)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _load(spec: str):
+    module_name, _, attr = spec.partition(":")
+    module = importlib.import_module(module_name)
+    return module, getattr(module, attr)
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    # Write then rename: the parent may read while a rank is still writing.
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    cases_spec: str,
+    case_names: list[str],
+    out_dir: str,
+    collective_timeout_s: float,
+) -> None:
+    """One rank: init gloo, run every case in order, record each result."""
+    out = Path(out_dir)
+    log = open(out / f"rank{rank}.log", "w", buffering=1)  # noqa: SIM115 (lives until exit)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    results: dict[str, dict] = {}
+    result_path = out / f"rank{rank}.json"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=collective_timeout_s),
+    )
+    try:
+        module, cases = _load(cases_spec)
+        make_context = getattr(module, "make_context", WorkerContext)
+        context = make_context(rank, world_size)
+        for name in case_names:
+            print(f"--- case {name}", flush=True)
+            start = time.perf_counter()
+            try:
+                cases[name](context)
+                outcome = {"ok": True, "message": ""}
+            except Exception as error:  # a case failing is a result, not a crash
+                text = traceback.format_exc(limit=-6)
+                outcome = {"ok": False, "message": f"{type(error).__name__}: {error}\n{text}"}
+                print(text, flush=True)
+            outcome["seconds"] = time.perf_counter() - start
+            results[name] = outcome
+            _write_json(result_path, results)
+            try:
+                # Realign the ranks, so that a case that failed on one rank only cannot
+                # pair its collectives with the next case's.
+                dist.barrier()
+            except Exception as error:
+                message = f"world lost sync after case {name!r}: {type(error).__name__}: {error}"
+                print(message, flush=True)
+                break
+    finally:
+        _write_json(result_path, results)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        log.flush()
+
+
+@dataclass
+class World:
+    """A running (or finished) world; :meth:`wait` joins it and reads the results."""
+
+    world_size: int
+    case_names: list[str]
+    out_dir: Path
+    timeout_s: float
+    processes: list = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    error: str = ""
+    _results: dict[str, dict[int, CaseResult]] | None = None
+
+    def wait(self) -> dict[str, dict[int, CaseResult]]:
+        """Join (killing the ranks past the deadline); ``{case: {rank: CaseResult}}``."""
+        if self._results is not None:
+            return self._results
+        deadline = self.started + self.timeout_s
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        alive = [r for r, p in enumerate(self.processes) if p.is_alive()]
+        if alive:
+            self.error = (
+                f"world {self.world_size} hit its {self.timeout_s:.0f} s limit; ranks "
+                f"{alive} were still running and were killed"
+            )
+            self.kill()
+        else:
+            codes = {r: p.exitcode for r, p in enumerate(self.processes) if p.exitcode}
+            if codes:
+                self.error = f"world {self.world_size}: ranks exited with codes {codes}"
+        self._results = {name: {} for name in self.case_names}
+        for rank in range(self.world_size):
+            path = self.out_dir / f"rank{rank}.json"
+            recorded = json.loads(path.read_text()) if path.exists() else {}
+            for name, outcome in recorded.items():
+                self._results.setdefault(name, {})[rank] = CaseResult(**outcome)
+        return self._results
+
+    def kill(self) -> None:
+        """Stop this world's processes (only those this object started)."""
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+
+    def log_tail(self, rank: int) -> str:
+        path = self.out_dir / f"rank{rank}.log"
+        if not path.exists():
+            return "(no log)"
+        lines = path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-LOG_TAIL_LINES:])
+
+    def failures(self, case: str) -> list[str]:
+        """Messages for every rank where ``case`` failed or left no result; empty if it passed."""
+        results = self.wait()[case]
+        messages = []
+        for rank in range(self.world_size):
+            where = f"world {self.world_size}, rank {rank}, case {case!r}"
+            outcome = results.get(rank)
+            if outcome is None:
+                reason = self.error or "the rank stopped before reaching this case"
+                messages.append(f"{where}: no result ({reason}); log tail:\n{self.log_tail(rank)}")
+            elif not outcome.ok:
+                messages.append(f"{where}: {outcome.message}")
+        return messages
+
+
+def launch_world(
+    world_size: int,
+    cases_spec: str,
+    case_names: list[str],
+    out_dir: Path,
+    *,
+    port: int | None = None,
+    timeout_s: float = 600.0,
+    collective_timeout_s: float = 90.0,
+) -> World:
+    """Start ``world_size`` spawned ranks running ``case_names`` from ``cases_spec``; no wait."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = port if port is not None else free_ports(1)[0]
+    spawn = multiprocessing.get_context("spawn")
+    world = World(world_size, list(case_names), out_dir, timeout_s)
+    for rank in range(world_size):
+        process = spawn.Process(
+            target=_worker,
+            args=(
+                rank,
+                world_size,
+                port,
+                cases_spec,
+                list(case_names),
+                str(out_dir),
+                collective_timeout_s,
+            ),
+            daemon=True,
+        )
+        process.start()
+        world.processes.append(process)
+    return world
