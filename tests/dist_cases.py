@@ -15,432 +15,46 @@ import contextlib
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from dist_checks import (
+    ALL_WORLDS,
+    BF16_BYTES,
+    CASES,
+    MESH_2X2,
+    MULTI_RANK,
+    S0,
+    S1,
+    S2,
+    Context,
+    R,
+    Spec,
+    case,
+    cases_for,
+    check_against_single,
+    check_step_traffic,
+    compare_states,
+    compare_with_single,
+    counting_all_to_all,
+    fail_on,
+    full,
+    local,
+    make_context,
+    make_optimizer,
+    matrix_shard_group,
+    place,
+    random_tensors,
+    step_by_chunks,
+)
+
+__all__ = ["CASES", "cases_for", "make_context"]
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
 from shardmuon import Muon, newton_schulz
 from shardmuon.layout import MuonBatch
-
-ALL_WORLDS = (1, 2, 3, 4)
-MULTI_RANK = (2, 3, 4)
-MESH_2X2 = (4,)
-BF16_BYTES = 2
-S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
-
-
-@dataclass
-class Context:
-    """Per rank: a 1-D mesh over the world and, at world size 4, a 2x2 mesh."""
-
-    rank: int
-    world_size: int
-    mesh: DeviceMesh
-    mesh_2d: DeviceMesh | None
-
-    def mesh_for(self, name: str) -> DeviceMesh:
-        return self.mesh_2d if name == "2d" else self.mesh
-
-
-def make_context(rank: int, world_size: int) -> Context:
-    """Called once per rank by the harness: build the meshes every case shares."""
-    mesh = init_device_mesh("cpu", (world_size,))
-    mesh_2d = None
-    if world_size == 4:
-        # FSDP2's HSDP needs named mesh dims.
-        mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    return Context(rank, world_size, mesh, mesh_2d)
-
-
-@dataclass(frozen=True)
-class Case:
-    run: Callable[[Context], None]
-    worlds: tuple[int, ...]
-
-    def __call__(self, ctx: Context) -> None:
-        self.run(ctx)
-
-
-CASES: dict[str, Case] = {}
-
-
-def case(name: str, worlds: tuple[int, ...] = ALL_WORLDS):
-    """Register ``fn(ctx)`` as case ``name`` for the given world sizes."""
-
-    def register(fn: Callable[[Context], None]) -> Callable[[Context], None]:
-        if name in CASES:
-            raise ValueError(f"case {name!r} registered twice")
-        CASES[name] = Case(fn, worlds)
-        return fn
-
-    return register
-
-
-def cases_for(world_size: int) -> list[str]:
-    """Names of the cases that run at ``world_size``, in registration order."""
-    return [name for name, c in CASES.items() if world_size in c.worlds]
-
-
-# ------------------------------------------------------------------ parameters
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One parameter: global shape, placements (``None``: a plain tensor), mesh, group."""
-
-    shape: tuple[int, ...]
-    placements: tuple | None = None
-    mesh: str = "1d"
-    algorithm: str = "muon"
-    partitions: tuple[int, ...] | None = None
-    has_grad: bool = True
-
-
-def place(ctx: Context, spec: Spec, full: torch.Tensor) -> torch.Tensor:
-    """This rank's version of ``full`` (the same on every rank): a DTensor or a plain copy."""
-    if spec.placements is None:
-        return full.clone()
-    return distribute_tensor(
-        full.clone(), ctx.mesh_for(spec.mesh), list(spec.placements), src_data_rank=None
-    )
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The global tensor (collective for DTensors)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def random_tensors(shapes: list[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=generator) for shape in shapes]
-
-
-def make_optimizer(params: list[torch.Tensor], specs: list[Spec], **kwargs) -> Muon:
-    """Muon with one group per algorithm, params in spec order; partitions from the specs."""
-    groups = []
-    for algorithm in ("muon", "adamw"):
-        members = [p for p, s in zip(params, specs) if s.algorithm == algorithm]
-        if members:
-            groups.append({"params": members, "algorithm": algorithm})
-    partitions = {p: s.partitions for p, s in zip(params, specs) if s.partitions is not None}
-    return Muon(groups, matrix_partitions=partitions or None, **kwargs)
-
-
-def muon_params(opt: Muon) -> list[torch.Tensor]:
-    """The Muon parameters in plan order (groups, then params), which batch segments index."""
-    return [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
-
-
-# ---------------------------------------------------------------- all-to-all
-
-
-@dataclass(frozen=True)
-class AllToAllCall:
-    """One ``all_to_all_single`` as this rank made it: bytes to / from other ranks."""
-
-    ranks: tuple[int, ...]
-    sent: int
-    received: int
-    dtype: torch.dtype
-    input_matches_splits: bool
-
-
-@contextlib.contextmanager
-def counting_all_to_all() -> Iterator[list[AllToAllCall]]:
-    """Wrap ``dist.all_to_all_single`` and record each call's payload to other ranks."""
-    original = dist.all_to_all_single
-    calls: list[AllToAllCall] = []
-
-    def counted(
-        output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs
-    ):
-        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-        me = ranks.index(dist.get_rank())
-        k = len(ranks)
-        ins = list(input_split_sizes) if input_split_sizes else [input.numel() // k] * k
-        outs = list(output_split_sizes) if output_split_sizes else [output.numel() // k] * k
-        calls.append(
-            AllToAllCall(
-                ranks=ranks,
-                sent=(sum(ins) - ins[me]) * input.element_size(),
-                received=(sum(outs) - outs[me]) * output.element_size(),
-                dtype=input.dtype,
-                input_matches_splits=input.numel() == sum(ins) and output.numel() == sum(outs),
-            )
-        )
-        return original(output, input, output_split_sizes, input_split_sizes, group, **kwargs)
-
-    dist.all_to_all_single = counted
-    try:
-        yield calls
-    finally:
-        dist.all_to_all_single = original
-
-
-def matrix_shard_group(p: torch.Tensor, flatten: bool) -> tuple[int, ...] | None:
-    """Global ranks sharing ``p``'s one matrix-dim shard, read from its placements, or None."""
-    if not isinstance(p, DTensor):
-        return None
-    matrix_dims = set(range(p.ndim)) if flatten else {p.ndim - 2, p.ndim - 1}
-    groups = [
-        tuple(dist.get_process_group_ranks(p.device_mesh.get_group(d)))
-        for d, placement in enumerate(p.placements)
-        if isinstance(placement, Shard)
-        and placement.dim % p.ndim in matrix_dims
-        and p.device_mesh.size(d) > 1
-    ]
-    if len(groups) > 1:
-        raise AssertionError(f"test setup: {tuple(p.placements)} has two matrix-dim shards")
-    return groups[0] if groups else None
-
-
-def local_matrices(p: torch.Tensor, flatten: bool) -> tuple[int, int, int]:
-    """This rank's piece of ``p`` as ``(count, rows, cols)`` of matrices."""
-    shape = local(p).shape
-    if flatten:
-        return 1, shape[0], math.prod(shape[1:])
-    return math.prod(shape[:-2]), shape[-2], shape[-1]
-
-
-def global_matrix(p: torch.Tensor, flatten: bool) -> tuple[int, int]:
-    if flatten:
-        return p.shape[0], math.prod(p.shape[1:])
-    return p.shape[-2], p.shape[-1]
-
-
-@dataclass
-class Traffic:
-    """What one step should move and compute, derived from shapes, shards and owners."""
-
-    sent: int = 0
-    received: int = 0
-    exchanged_batches: int = 0
-    groups: set[tuple[int, ...]] = field(default_factory=set)
-    problems: list[str] = field(default_factory=list)
-
-
-def expected_traffic(ctx: Context, opt: Muon, flatten: bool) -> Traffic:
-    """Bytes this rank must send/receive: each non-owner piece to its owner and back, bf16.
-
-    Piece sizes come from the local shapes every rank really holds (gathered), groups from
-    the placements; only the owners are taken from the optimizer's batches (and checked:
-    distinct, in range, at most one matrix per rank per batch). Collective.
-    """
-    params = muon_params(opt)
-    mine = [local_matrices(p, flatten) for p in params]
-    everyone: list = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
-    traffic = Traffic()
-    seen: set[tuple[int, int]] = set()
-    for chunk in opt.chunks():
-        if not isinstance(chunk, MuonBatch) or not chunk.layout.exchanged:
-            continue
-        traffic.exchanged_batches += 1
-        units = [(s.param_index, i) for s in chunk.segments for i in range(s.start, s.stop)]
-        owners = chunk.owners
-        ranks = matrix_shard_group(params[units[0][0]], flatten)
-        if ranks is None or tuple(chunk.layout.group.ranks) != ranks:
-            traffic.problems.append(
-                f"batch {chunk.index}: group {chunk.layout.group.ranks} but the placements "
-                f"say {ranks}"
-            )
-            continue
-        traffic.groups.add(ranks)
-        k = len(ranks)
-        if len(owners) != len(units) or len(set(owners)) != len(owners) or len(units) > k:
-            traffic.problems.append(
-                f"batch {chunk.index}: {len(units)} matrices, owners {owners}, group of {k}"
-            )
-            continue
-        if not all(0 <= o < k for o in owners):
-            traffic.problems.append(f"batch {chunk.index}: owners {owners} out of range")
-            continue
-        me = ranks.index(ctx.rank)
-        for (index, i), owner in zip(units, owners):
-            if (index, i) in seen:
-                traffic.problems.append(f"matrix {i} of Muon param {index} in two batches")
-            seen.add((index, i))
-            if params[index].grad is None:
-                continue
-            pieces = [everyone[r][index][1] * everyone[r][index][2] for r in ranks]
-            if me == owner:
-                others = sum(pieces) - pieces[me]
-                traffic.sent += BF16_BYTES * others
-                traffic.received += BF16_BYTES * others
-            else:
-                traffic.sent += BF16_BYTES * pieces[me]
-                traffic.received += BF16_BYTES * pieces[me]
-    for index, p in enumerate(params):
-        if matrix_shard_group(p, flatten) is None:
-            continue
-        missing = [i for i in range(mine[index][0]) if (index, i) not in seen]
-        if missing:
-            traffic.problems.append(f"matrices {missing} of Muon param {index} in no batch")
-    return traffic
-
-
-def check_step_traffic(
-    ctx: Context, opt: Muon, calls: list[AllToAllCall], flatten: bool, label: str
-) -> list[str]:
-    """Compare the counted all-to-alls with the stats and the independent expectation."""
-    expected = expected_traffic(ctx, opt, flatten)
-    stats = opt.last_step_stats
-    counted_sent = sum(c.sent for c in calls)
-    counted_received = sum(c.received for c in calls)
-    problems = [f"{label}: {p}" for p in expected.problems]
-
-    def expect(what: str, got, want) -> None:
-        if got != want:
-            problems.append(f"{label}: {what} is {got}, expected {want}")
-
-    expect("stats.bytes_sent vs bytes counted at all_to_all_single", stats.bytes_sent, counted_sent)
-    expect("stats.bytes_received vs bytes counted", stats.bytes_received, counted_received)
-    expect("stats.bytes_sent vs stats.bytes_minimum", stats.bytes_sent, stats.bytes_minimum)
-    expect("bytes sent (counted) vs shapes and owners", counted_sent, expected.sent)
-    expect("bytes received (counted) vs shapes and owners", counted_received, expected.received)
-    expect("all_to_all_single calls", len(calls), 2 * expected.exchanged_batches)
-    bad = [c for c in calls if c.dtype != torch.bfloat16 or not c.input_matches_splits]
-    if bad:
-        problems.append(f"{label}: all-to-alls not bf16 or with data beyond the splits: {bad}")
-    stray = {c.ranks for c in calls} - expected.groups
-    if stray:
-        problems.append(f"{label}: all-to-alls on groups {stray} no parameter is sharded over")
-    return problems
-
-
-def check_orthogonalized(ctx: Context, opt: Muon, flatten: bool, label: str) -> list[str]:
-    """World-wide: every matrix with a grad orthogonalized exactly once per shard group."""
-    expected: Counter = Counter()
-    for p in muon_params(opt):
-        if p.grad is None:
-            continue
-        count, _, _ = local_matrices(p, flatten)
-        ranks = matrix_shard_group(p, flatten)
-        # A matrix sharded over k ranks is orthogonalized once by its owner: k pieces, 1 matrix.
-        expected[(global_matrix(p, flatten), len(ranks) if ranks else 1)] += count
-    stats = opt.last_step_stats
-    gathered: list = [None] * ctx.world_size
-    dist.all_gather_object(gathered, (dict(expected), list(stats.owned_shapes)))
-    want: Counter = Counter()
-    for counts, _ in gathered:
-        for (shape, k), n in counts.items():
-            want[tuple(shape)] += n / k
-    got = Counter(tuple(s) for _, shapes in gathered for s in shapes)
-    if any(n != int(n) for n in want.values()) or got != Counter(
-        {s: int(n) for s, n in want.items()}
-    ):
-        return [f"{label}: orthogonalized shapes (world) {dict(got)}, expected {dict(want)}"]
-    return []
-
-
-# ----------------------------------------------------- single-process equality
-
-
-def compare_states(
-    specs: list[Spec], dist_opt: Muon, dist_params: list, ref_opt: Muon, ref_params: list, label
-) -> list[str]:
-    """Bitwise param/momentum/variance/step comparison (gathers first, then checks).
-
-    ``ref_params`` are usually plain tensors; DTensors (another distributed run) work too.
-    """
-    pairs = []
-    for i, (p, r) in enumerate(zip(dist_params, ref_params)):
-        pairs.append((f"param {i}", full(p).detach(), full(r).detach()))
-        for key in ("momentum", "variance"):
-            if key in ref_opt.state[r]:
-                got, want = dist_opt.state[p][key], ref_opt.state[r][key]
-                pairs.append((f"{key} {i}", full(got), full(want)))
-    problems = []
-    for what, got, want in pairs:
-        if not torch.equal(got, want):
-            diff = (got.double() - want.double()).abs().max().item()
-            index = int(what.split()[-1])
-            problems.append(f"{label}: {what} {specs[index]} differs (max abs diff {diff:.3g})")
-    steps = [g["step"] for g in dist_opt.param_groups]
-    ref_steps = [g["step"] for g in ref_opt.param_groups]
-    if steps != ref_steps:
-        problems.append(f"{label}: group step counters {steps}, single-process {ref_steps}")
-    return problems
-
-
-def step_by_chunks(opt: Muon) -> None:
-    """One round through ``chunks()``: exchanged batches in reverse, then AdamW, then local.
-
-    Exchanged batches are collectives, so every rank must take them in the same order; local
-    batches (whose count may differ between ranks) go last.
-    """
-    chunks = opt.chunks()
-    exchanged = [c for c in chunks if isinstance(c, MuonBatch) and c.layout.exchanged]
-    local_batches = [c for c in chunks if isinstance(c, MuonBatch) and not c.layout.exchanged]
-    adamw = [c for c in chunks if not isinstance(c, MuonBatch)]
-    for chunk in [*reversed(exchanged), *adamw, *local_batches]:
-        opt.step_chunk(chunk)
-
-
-def fail_on(problems: list[str]) -> None:
-    """Raise one AssertionError listing every problem (call only after the last collective)."""
-    if problems:
-        raise AssertionError("\n".join(problems))
-
-
-def check_against_single(ctx: Context, specs: list[Spec], **kwargs) -> Muon:
-    """:func:`compare_with_single`, raising on any problem; returns the distributed Muon."""
-    opt, problems = compare_with_single(ctx, specs, **kwargs)
-    fail_on(problems)
-    return opt
-
-
-def compare_with_single(
-    ctx: Context,
-    specs: list[Spec],
-    *,
-    steps: int = 3,
-    seed: int = 0,
-    chunked: bool = False,
-    expect_no_traffic: bool = False,
-    **muon_kwargs,
-) -> tuple[Muon, list[str]]:
-    """Step a distributed Muon and the same Muon on plain tensors; everything must match.
-
-    Checks per step: the traffic (counted vs stats vs shapes and owners) and what was
-    orthogonalized; at the end: params, momentum, variance and step counters, bitwise.
-    Returns the distributed optimizer and the problems found (empty: all matched); raising
-    is left to the caller, so that a case can run more collectives after a mismatch.
-    """
-    kwargs = {"lr": 0.02, "weight_decay": 0.1, "nesterov": True, **muon_kwargs}
-    flatten = bool(kwargs.get("flatten", False))
-    init = random_tensors([s.shape for s in specs], seed)
-    ref_params = [nn.Parameter(t.clone()) for t in init]
-    dist_params = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
-    ref = make_optimizer(ref_params, specs, **kwargs)
-    opt = make_optimizer(dist_params, specs, **kwargs)
-    has_partitions = any(s.partitions for s in specs)
-    problems: list[str] = []
-    for step in range(steps):
-        grads = random_tensors([s.shape for s in specs], seed * 1000 + step + 1)
-        for spec, r, p, g in zip(specs, ref_params, dist_params, grads):
-            r.grad = g.clone() if spec.has_grad else None
-            p.grad = place(ctx, spec, g) if spec.has_grad else None
-        ref.step()
-        with counting_all_to_all() as calls:
-            step_by_chunks(opt) if chunked else opt.step()
-        label = f"step {step + 1}"
-        problems += check_step_traffic(ctx, opt, calls, flatten, label)
-        if not has_partitions:
-            problems += check_orthogonalized(ctx, opt, flatten, label)
-        if expect_no_traffic and calls:
-            problems.append(f"{label}: {len(calls)} all-to-alls in a layout that needs none")
-    problems += compare_states(specs, opt, dist_params, ref, ref_params, f"after {steps} steps")
-    return opt, problems
-
 
 # ------------------------------------------------------- hand-built layouts
 
