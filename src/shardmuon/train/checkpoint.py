@@ -132,9 +132,9 @@ def check_compatible(ckpt: Path, expected: Mapping[str, tuple[int, ...] | None])
     shape_diffs = []
     for key, shape in expected.items():
         meta = stored.get(key)
-        if shape is not None and isinstance(meta, TensorStorageMetadata):
-            if tuple(meta.size) != shape:
-                shape_diffs.append(f"{key} {tuple(meta.size)} (this run: {shape})")
+        is_tensor = shape is not None and isinstance(meta, TensorStorageMetadata)
+        if is_tensor and tuple(meta.size) != shape:
+            shape_diffs.append(f"{key} {tuple(meta.size)} (this run: {shape})")
     if shape_diffs:
         problems.append(f"shapes differ: {_summarise(shape_diffs)}")
     missing_state = [

@@ -1,0 +1,66 @@
+"""Loss-curve PNGs: one or several ``shardmuon train --out run.json`` files overlaid."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def read_run(path: str | os.PathLike) -> tuple[list[int], list[float], str]:
+    """Steps, losses and a label from a ``--out`` JSON file (or a ``step,loss`` CSV)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"loss file {str(path)!r} does not exist")
+    if path.suffix == ".csv":
+        rows = [line.split(",") for line in path.read_text().splitlines()[1:] if line.strip()]
+        return [int(r[0]) for r in rows], [float(r[1]) for r in rows], path.stem
+    try:
+        payload = json.loads(path.read_text())
+        losses = payload["losses"]
+        steps = [int(item["step"]) for item in losses]
+        values = [float(item["loss"]) for item in losses]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"{str(path)!r} is not a shardmuon train --out file (JSON with 'losses': "
+            f"[{{'step', 'loss'}}, ...]): {err}"
+        ) from err
+    return steps, values, path.stem
+
+
+def plot_runs(
+    paths: Sequence[str | os.PathLike],
+    out: str | os.PathLike,
+    *,
+    labels: Sequence[str] | None = None,
+    title: str = "reverse-text SFT loss",
+    log_scale: bool = True,
+) -> Path:
+    """Overlay the loss curves of ``paths`` into the PNG ``out``; returns its path."""
+    if not paths:
+        raise ValueError("give at least one loss file to plot")
+    if labels is not None and len(labels) != len(paths):
+        raise ValueError(f"got {len(labels)} labels for {len(paths)} loss files")
+    runs = [read_run(p) for p in paths]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for i, (steps, values, stem) in enumerate(runs):
+        ax.plot(steps, values, label=labels[i] if labels else stem, linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean over target tokens)")
+    if log_scale:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    plt.close(fig)
+    return out
