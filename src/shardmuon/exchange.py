@@ -79,13 +79,15 @@ class BatchExchange:
             splits[owner] = mine
         return splits
 
-    def start_gather(self, pieces: list[Tensor]) -> None:
+    def start_gather(self, pieces: list[Tensor], device: torch.device) -> None:
         """Send each bf16 piece ``[local_rows, local_cols]`` to its owner (async)."""
         self._order = sorted(range(len(self.owners)), key=lambda i: self.owners[i])
-        device = pieces[0].device if pieces else torch.device("cpu")
         send = _flat_cat([pieces[i] for i in self._order], device)
-        send_splits = self._own_piece_splits()
-        recv_splits = self._piece_splits()
+        self._launch(send, self._own_piece_splits(), self._piece_splits(), device)
+
+    def _launch(
+        self, send: Tensor, send_splits: list[int], recv_splits: list[int], device: torch.device
+    ) -> None:
         self._recv = torch.empty(sum(recv_splits), dtype=torch.bfloat16, device=device)
         self._work = dist.all_to_all_single(
             self._recv,
@@ -114,18 +116,7 @@ class BatchExchange:
         else:
             cuts = result.split(list(self.layout.piece_sizes), dim=self.layout.shard_axis)
             send = _flat_cat(list(cuts), device)
-        send_splits = self._piece_splits()
-        recv_splits = self._own_piece_splits()
-        self._recv = torch.empty(sum(recv_splits), dtype=torch.bfloat16, device=device)
-        self._work = dist.all_to_all_single(
-            self._recv,
-            send,
-            output_split_sizes=recv_splits,
-            input_split_sizes=send_splits,
-            group=self.group.process_group,
-            async_op=True,
-        )
-        self.stats.add_traffic(send_splits, recv_splits, self.group.rank_index)
+        self._launch(send, self._piece_splits(), self._own_piece_splits(), device)
 
     def finish_return(self) -> list[Tensor]:
         """Wait for the return; this rank's result pieces, in the matrices' order."""

@@ -440,7 +440,7 @@ class Muon(Optimizer):
         pieces = [d for block in directions for d in block.unbind(0)]
         owners = self._active_owners(batch, segments)
         exchange = BatchExchange(batch.layout, owners, stats)
-        exchange.start_gather(pieces)
+        exchange.start_gather(pieces, self._device())
         stats.bytes_minimum += exchange.minimum_bytes()
         return _Run(batch, segments, pieces, exchange)
 
@@ -561,7 +561,7 @@ class Muon(Optimizer):
         directions = [self._views(i, u.to(torch.bfloat16)) for i, u in zip(indices, U)]
         if layout.exchanged:
             exchange = BatchExchange(layout, owners, self.last_step_stats)
-            exchange.start_gather([m for d in directions for m in d.unbind(0)])
+            exchange.start_gather([m for d in directions for m in d.unbind(0)], self._device())
             whole = exchange.assemble()
             result = None if whole is None else self._orthogonalize(whole[None], batch)[0]
             exchange.start_return(result, self._device())
