@@ -15,7 +15,9 @@ Computed once, at construction, from each parameter alone (no mesh is passed in)
 Exchanged matrices with the same layout (global matrix shape, shard axis, group, dtype,
 partitions, eps) are cut into batches of ``k`` matrices. Within a batch each matrix has
 one owner rank that receives all its shards; owners continue round-robin from one batch
-to the next, so the short last batch of a layout does not always land on rank 0.
+to the next, so the short last batch of a layout does not always land on rank 0, and
+where matrices of different sizes leave ranks unevenly loaded, a short batch goes to the
+least-loaded ranks (by Newton–Schulz FLOPs).
 Shard sizes follow DTensor's chunking (``ceil(n / k)`` rows per rank, the last ranks
 shorter or empty), so uneven and empty shards need no padding: each piece travels with
 its exact size.
@@ -271,18 +273,52 @@ def _segments(units: list[tuple[int, int]]) -> list[Segment]:
     return segments
 
 
+def newton_schulz_cost(rows: int, cols: int, partitions: tuple[int, ...] | None) -> int:
+    """FLOPs of one Newton–Schulz iteration on a ``[rows, cols]`` matrix (summed over blocks)."""
+    total = 0
+    for block_rows in partitions or (rows,):
+        small, large = sorted((block_rows, cols))
+        total += 4 * small * small * large + 2 * small**3
+    return total
+
+
+class _OwnerPicker:
+    """Owners for the batches of one shard group: least-loaded ranks, ties round-robin.
+
+    Loads are the Newton–Schulz FLOPs a rank owns so far. With equal costs this is plain
+    round-robin continued from batch to batch (full batches add the same load to every
+    rank, and a short batch's owners become the most loaded); with unequal costs the short
+    batches go where the least work is.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.loads = [0] * size
+        self.cursor = 0
+
+    def pick(self, count: int, cost: int) -> tuple[int, ...]:
+        size = len(self.loads)
+        rotation = [(self.cursor + i) % size for i in range(size)]
+        chosen = sorted(rotation, key=lambda r: self.loads[r])[:count]
+        owners = tuple(sorted(chosen, key=rotation.index))
+        for r in owners:
+            self.loads[r] += cost
+        self.cursor = (self.cursor + count) % size
+        return owners
+
+
 def plan_batches(entries: list[PlanEntry], rotate_owners: bool = True) -> list[MuonBatch]:
     """Group parameters into batches; exchanged batches first (their traffic starts early).
 
     Deterministic in the order of ``entries``, which every rank of a group sees the same
-    way, so all ranks agree on batches and owners without communicating.
+    way, so all ranks agree on batches and owners without communicating. With
+    ``rotate_owners=False`` every batch's owners are ranks ``0..len-1`` (a baseline).
     """
     by_key: dict[tuple, list[PlanEntry]] = {}
     for entry in entries:
         by_key.setdefault(_batch_key(entry), []).append(entry)
     exchanged: list[MuonBatch] = []
     local: list[MuonBatch] = []
-    next_owner: dict[tuple[int, ...], int] = {}
+    pickers: dict[tuple[int, ...], _OwnerPicker] = {}
     for group_entries in by_key.values():
         first = group_entries[0]
         layout = first.layout
@@ -290,11 +326,14 @@ def plan_batches(entries: list[PlanEntry], rotate_owners: bool = True) -> list[M
         common = dict(layout=layout, partitions=first.partitions, eps=first.eps)
         if layout.exchanged:
             k = layout.group.size
+            picker = pickers.setdefault(layout.group.ranks, _OwnerPicker(k))
+            cost = newton_schulz_cost(layout.rows, layout.cols, first.partitions)
             for start in range(0, len(units), k):
                 chunk = units[start : start + k]
-                offset = next_owner.get(layout.group.ranks, 0) if rotate_owners else 0
-                owners = tuple((offset + i) % k for i in range(len(chunk)))
-                next_owner[layout.group.ranks] = (offset + len(chunk)) % k
+                if rotate_owners:
+                    owners = picker.pick(len(chunk), cost)
+                else:
+                    owners = tuple(range(len(chunk)))
                 exchanged.append(MuonBatch(0, segments=_segments(chunk), owners=owners, **common))
         else:
             itemsize = 2  # bf16 input of Newton–Schulz

@@ -435,7 +435,13 @@ class Muon(Optimizer):
         stats = self.last_step_stats
         stats.num_batches += 1
         if not batch.layout.exchanged:
-            stacked = torch.cat(directions) if directions else None
+            stacked = (
+                None
+                if not directions
+                else directions[0]
+                if len(directions) == 1
+                else torch.cat(directions)
+            )
             return _Run(batch, segments, stacked)
         pieces = [d for block in directions for d in block.unbind(0)]
         owners = self._active_owners(batch, segments)
