@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from shardmuon.workers import exit_worker
+
 __all__ = ["CaseResult", "WorkerContext", "World", "free_ports", "launch_world"]
 
 # Lines of a rank's log shown when the world failed without a per-case result.
@@ -137,6 +139,7 @@ def _worker(
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         log.flush()
+    exit_worker()
 
 
 @dataclass

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardmuon.workers import exit_worker
+
 __all__ = ["RankContext", "launch", "torchrun_world_size"]
 
 
@@ -112,6 +114,7 @@ def _spawned(
             Path(result_path).write_bytes(pickle.dumps(result))
     finally:
         dist.destroy_process_group()
+    exit_worker()
 
 
 def launch(

@@ -33,6 +33,7 @@ from shardmuon.train.data import (
     num_target_tokens,
     rank_slice,
 )
+from shardmuon.workers import exit_worker
 
 OPTIMIZERS = ("muon", "adamw")
 TRAIN_LAYOUTS = ("fsdp", "ep")
@@ -382,6 +383,7 @@ def _worker(rank: int, config: TrainConfig, world: int, port: int, result_file: 
         raise
     finally:
         dist.destroy_process_group()
+    exit_worker()
 
 
 def _precheck_resume(config: TrainConfig) -> None:
