@@ -1,0 +1,50 @@
+"""GPU checks: the same numerics on CUDA (run by ``scripts/gpu-check.sh`` on a GPU machine).
+
+These need a CUDA device and are skipped elsewhere; the CPU suite covers the same code
+paths. On CUDA, cuBLAS may choose different kernels for different batch sizes, so results
+are compared with fp64 and with the CPU within bf16 tolerances rather than bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardmuon import Muon, newton_schulz, newton_schulz_reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("shape", [(64, 48), (48, 64), (4, 96, 64), (768, 2048), (3, 1408, 512)])
+def test_newton_schulz_on_cuda_is_close_to_fp64(shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    G = torch.randn(shape, generator=gen)
+    out = newton_schulz(G.cuda())
+    ref = newton_schulz_reference(G)
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert out.dtype == torch.bfloat16 and out.shape == G.shape
+    assert err < 0.0075, f"shape {shape}: {err:.4f} from fp64"
+
+
+def test_muon_step_on_cuda_matches_cpu() -> None:
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(64, 32), (32, 64), (4, 48, 32), (32,)]
+    init = [torch.randn(s, generator=gen) * 0.05 for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
+    results = []
+    for device in ("cpu", "cuda"):
+        ps = [torch.nn.Parameter(t.to(device)) for t in init]
+        opt = Muon(
+            [dict(params=ps[:3]), dict(params=ps[3:], algorithm="adamw")],
+            lr=0.02,
+            weight_decay=0.1,
+            nesterov=True,
+        )
+        for step_grads in grads:
+            for p, g in zip(ps, step_grads):
+                p.grad = g.to(device)
+            opt.step()
+        results.append([p.detach().cpu() for p in ps])
+    for (cpu, gpu), x0 in zip(zip(*results), init):
+        delta = (cpu - x0).norm()
+        assert (cpu - gpu).norm() / delta < 0.03, f"shape {tuple(x0.shape)}"
