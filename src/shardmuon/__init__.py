@@ -7,7 +7,8 @@ from shardmuon.newton_schulz import (
     newton_schulz_unfolded,
     resolve_coefficients,
 )
-from shardmuon.optimizer import AdamWChunk, Muon
+from shardmuon.optimizer import Muon
+from shardmuon.plan import AdamWChunk
 from shardmuon.telemetry import StepStats
 
 __all__ = [

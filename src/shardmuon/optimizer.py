@@ -38,29 +38,20 @@ from shardmuon.exchange import BatchExchange, warmup_groups
 from shardmuon.layout import (
     MatrixLayout,
     MuonBatch,
-    PlanEntry,
     Segment,
     ShardGroup,
-    matrix_layout,
-    plan_batches,
 )
 from shardmuon.newton_schulz import newton_schulz, newton_schulz_unfolded, resolve_coefficients
-from shardmuon.partitions import check_partitions, orthogonalize_blocks, row_scales
+from shardmuon.partitions import orthogonalize_blocks
+from shardmuon.plan import AdamWChunk, Plan, build_plan
 from shardmuon.telemetry import StepStats
 from shardmuon.update import momentum_update_, weight_update_
 from shardmuon.validation import check_adjust_lr, check_grads, check_group, check_mesh, check_number
 
-__all__ = ["AdamWChunk", "Muon", "StepStats"]
+__all__ = ["Muon"]
 
 NS_IMPLEMENTATIONS = {"folded": newton_schulz, "unfolded": newton_schulz_unfolded}
 CHECK_GRADS = ("first", "always", "never")
-
-
-@dataclass(frozen=True)
-class AdamWChunk:
-    """All parameters of one AdamW group."""
-
-    group_index: int
 
 
 Chunk = MuonBatch | AdamWChunk
@@ -185,12 +176,14 @@ class Muon(Optimizer):
         self.check_grads = check_grads
         self._newton_schulz = NS_IMPLEMENTATIONS[newton_schulz_impl]
         self._raw_partitions = dict(matrix_partitions or {})
-        self._plan: _Plan | None = None
+        self._plan: Plan | None = None
         self._round_done: set[int] = set()
         self._grads_checked = False
         self.last_step_stats = StepStats()
         super().__init__(params, defaults)
-        self._plan = self._build_plan()
+        self._plan = build_plan(
+            self.param_groups, self._raw_partitions, self.update_rms, self.rotate_owners
+        )
         self._init_state()
         if warmup:
             self.warmup()
@@ -202,64 +195,10 @@ class Muon(Optimizer):
         super().add_param_group(param_group)
         check_group(len(self.param_groups) - 1, self.param_groups[-1])
         if self._plan is not None:
-            self._plan = self._build_plan()
-            self._init_state()
-
-    def _build_plan(self) -> _Plan:
-        muon_params: list[tuple[int, Tensor]] = []
-        positions: list[int] = []
-        for g, group in enumerate(self.param_groups):
-            if group["algorithm"] == "muon":
-                muon_params.extend((g, p) for p in group["params"])
-                positions.extend(range(len(group["params"])))
-        known = {id(p) for _, p in muon_params}
-        for p in self._raw_partitions:
-            if id(p) not in known:
-                raise ValueError(
-                    f"matrix_partitions has a parameter of shape {tuple(p.shape)} that is not "
-                    "in a 'muon' param group of this optimizer"
-                )
-        partitions_by_id = {id(p): sizes for p, sizes in self._raw_partitions.items()}
-        entries, layouts, scales, partitions = [], [], [], []
-        for index, (g, p) in enumerate(muon_params):
-            group = self.param_groups[g]
-            name = f"group {g} param {positions[index]}"
-            layout = matrix_layout(name, p, flatten=group["flatten"])
-            sizes = partitions_by_id.get(id(p))
-            if sizes is not None:
-                if group["flatten"]:
-                    raise ValueError(
-                        f"matrix_partitions[{name}]: partitions need flatten=False (they split "
-                        "dim -2 of each matrix)"
-                    )
-                sizes = check_partitions(name, sizes, layout.rows)
-            layouts.append(layout)
-            partitions.append(sizes)
-            scales.append(
-                row_scales(
-                    sizes,
-                    layout.rows,
-                    layout.cols,
-                    layout.local_row_start,
-                    layout.local_rows,
-                    group["adjust_lr"],
-                    self.update_rms,
-                )
+            self._plan = build_plan(
+                self.param_groups, self._raw_partitions, self.update_rms, self.rotate_owners
             )
-            entries.append(PlanEntry(index, layout, p.dtype, sizes, float(group["epsilon"])))
-        batches = plan_batches(entries, rotate_owners=self.rotate_owners)
-        adamw = [
-            AdamWChunk(g) for g, grp in enumerate(self.param_groups) if grp["algorithm"] == "adamw"
-        ]
-        return _Plan(
-            params=[p for _, p in muon_params],
-            group_of=[g for g, _ in muon_params],
-            layouts=layouts,
-            row_scales=scales,
-            partitions=partitions,
-            batches=batches,
-            adamw=adamw,
-        )
+            self._init_state()
 
     def _init_state(self) -> None:
         """Create state for every parameter now: DCP needs the same keys on every rank."""
@@ -600,17 +539,6 @@ class Muon(Optimizer):
         super().load_state_dict(state_dict)
         self._init_state()
         self._round_done.clear()
-
-
-@dataclass
-class _Plan:
-    params: list[Tensor]
-    group_of: list[int]
-    layouts: list[MatrixLayout]
-    row_scales: list[list[tuple[int, int, float]]]
-    partitions: list[tuple[int, ...] | None]
-    batches: list[MuonBatch]
-    adamw: list[AdamWChunk]
 
 
 def _distribute_like(value: Tensor, param: DTensor) -> DTensor:

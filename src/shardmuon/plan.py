@@ -1,0 +1,99 @@
+"""From param groups to the fixed plan a ``Muon`` steps through (computed once).
+
+For every Muon parameter: its layout (``layout.matrix_layout``), its checked partitions and
+the lr scale of each local row range; then the batches (``layout.plan_batches``) and one
+chunk per AdamW group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from shardmuon.layout import MatrixLayout, MuonBatch, PlanEntry, matrix_layout, plan_batches
+from shardmuon.partitions import check_partitions, row_scales
+
+__all__ = ["AdamWChunk", "Plan", "build_plan"]
+
+
+@dataclass(frozen=True)
+class AdamWChunk:
+    """All parameters of one AdamW group."""
+
+    group_index: int
+
+
+@dataclass
+class Plan:
+    """What the optimizer computed once: Muon parameters, their layouts and scales, the batches."""
+
+    params: list[Tensor]
+    group_of: list[int]
+    layouts: list[MatrixLayout]
+    row_scales: list[list[tuple[int, int, float]]]
+    partitions: list[tuple[int, ...] | None]
+    batches: list[MuonBatch]
+    adamw: list[AdamWChunk]
+
+
+def build_plan(
+    param_groups: list[dict],
+    matrix_partitions: dict[Tensor, Sequence[int]],
+    update_rms: float,
+    rotate_owners: bool,
+) -> Plan:
+    """Read every Muon parameter's layout and partitions and cut the batches (once)."""
+    muon_params: list[tuple[int, Tensor]] = []
+    positions: list[int] = []
+    for g, group in enumerate(param_groups):
+        if group["algorithm"] == "muon":
+            muon_params.extend((g, p) for p in group["params"])
+            positions.extend(range(len(group["params"])))
+    known = {id(p) for _, p in muon_params}
+    for p in matrix_partitions:
+        if id(p) not in known:
+            raise ValueError(
+                f"matrix_partitions has a parameter of shape {tuple(p.shape)} that is not "
+                "in a 'muon' param group of this optimizer"
+            )
+    partitions_by_id = {id(p): sizes for p, sizes in matrix_partitions.items()}
+    entries, layouts, scales, partitions = [], [], [], []
+    for index, (g, p) in enumerate(muon_params):
+        group = param_groups[g]
+        name = f"group {g} param {positions[index]}"
+        layout = matrix_layout(name, p, flatten=group["flatten"])
+        sizes = partitions_by_id.get(id(p))
+        if sizes is not None:
+            if group["flatten"]:
+                raise ValueError(
+                    f"matrix_partitions[{name}]: partitions need flatten=False (they split "
+                    "dim -2 of each matrix)"
+                )
+            sizes = check_partitions(name, sizes, layout.rows)
+        layouts.append(layout)
+        partitions.append(sizes)
+        scales.append(
+            row_scales(
+                sizes,
+                layout.rows,
+                layout.cols,
+                layout.local_row_start,
+                layout.local_rows,
+                group["adjust_lr"],
+                update_rms,
+            )
+        )
+        entries.append(PlanEntry(index, layout, p.dtype, sizes, float(group["epsilon"])))
+    batches = plan_batches(entries, rotate_owners=rotate_owners)
+    adamw = [AdamWChunk(g) for g, grp in enumerate(param_groups) if grp["algorithm"] == "adamw"]
+    return Plan(
+        params=[p for _, p in muon_params],
+        group_of=[g for g, _ in muon_params],
+        layouts=layouts,
+        row_scales=scales,
+        partitions=partitions,
+        batches=batches,
+        adamw=adamw,
+    )
