@@ -40,3 +40,18 @@ def test_newton_schulz_cost_sums_partition_blocks() -> None:
     assert newton_schulz_cost(12, 8, (4, 8)) == newton_schulz_cost(4, 8, None) + (
         newton_schulz_cost(8, 8, None)
     )
+
+
+def test_padded_scheme_volume() -> None:
+    """dion's scheme for 5 matrices of 30x16 rows-sharded over 4 ranks: 2 padded pieces of 8 rows
+    to each of 3 peers, there and back, in bf16."""
+    from shardmuon.bench.volume import padded_scheme_bytes
+    from shardmuon.layout import MatrixLayout, MuonBatch, Segment, ShardGroup
+
+    group = ShardGroup(ranks=(0, 1, 2, 3), rank_index=1, process_group=None)
+    layout = MatrixLayout(30, 16, 1, 8, 16, False, 0, group, (8, 8, 8, 6))
+    batches = [
+        MuonBatch(0, layout, [Segment(i, 0, 1) for i in range(4)], owners=(0, 1, 2, 3)),
+        MuonBatch(1, layout, [Segment(4, 0, 1)], owners=(0,)),
+    ]
+    assert padded_scheme_bytes(batches) == 2 * 3 * 2 * (8 * 16) * 2

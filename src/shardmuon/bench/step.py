@@ -34,6 +34,7 @@ from shardmuon.bench.report import (
     synchronize,
     write_json,
 )
+from shardmuon.bench.volume import padded_scheme_bytes
 from shardmuon.models import MODEL_PRESETS, attention_dims, model_config
 from shardmuon.newton_schulz import NS_PRESETS, newton_schulz, newton_schulz_unfolded
 from shardmuon.parallel import LAYOUTS, apply_layout, plan_layout
@@ -276,6 +277,7 @@ def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, advan
             bytes_sent=stats.bytes_sent,
             bytes_received=stats.bytes_received,
             bytes_minimum=stats.bytes_minimum,
+            padded_scheme_bytes=padded_scheme_bytes(opt.chunks()),
             num_batches=stats.num_batches,
             matrices_orthogonalized=stats.matrices_orthogonalized,
             owned_ns_s=ns_s,
@@ -334,10 +336,12 @@ def summarize(impl: str, ranks: list[dict]) -> dict[str, Any]:
     if "bytes_sent" in ranks[0]:
         sent = sum(r["bytes_sent"] for r in ranks)
         minimum = sum(r["bytes_minimum"] for r in ranks)
+        padded = sum(r["padded_scheme_bytes"] for r in ranks)
         ratios = [r["step_over_ns"] for r in ranks if r["step_over_ns"] is not None]
         row.update(
             a2a_gb_per_rank=max(r["bytes_sent"] for r in ranks) / 1e9,
             a2a_over_minimum=(sent / minimum) if minimum else (1.0 if sent == 0 else None),
+            padded_over_minimum=(padded / minimum) if minimum else None,
             owned_ns_s=max(r["owned_ns_s"] for r in ranks),
             step_over_ns=max(ratios) if ratios else None,
             bytes_sent=[r["bytes_sent"] for r in ranks],
@@ -373,7 +377,7 @@ def add_parser(subparsers) -> None:
         default=None,
         help="mesh shape, e.g. 2x1 (hsdp: REPLICATExSHARD, ep: EPxDP)",
     )
-    p.add_argument("--steps", type=int, default=6, help="optimizer steps per implementation")
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per implementation")
     p.add_argument(
         "--impl",
         type=str,
@@ -474,6 +478,7 @@ def _print(rows: list[dict], cfg: StepConfig, out: dict, skipped: dict[str, str]
             "transient GiB",
             "all-to-all GB/rank",
             "a2a ÷ min",
+            "padded ÷ min",
             "owned NS ms",
             "step ÷ NS",
         ],
@@ -485,6 +490,7 @@ def _print(rows: list[dict], cfg: StepConfig, out: dict, skipped: dict[str, str]
                 fmt(r["transient_bytes"] / gib, ".4f"),
                 fmt(r.get("a2a_gb_per_rank"), ".4f"),
                 fmt(r.get("a2a_over_minimum"), ".2f"),
+                fmt(r.get("padded_over_minimum"), ".2f"),
                 fmt(1e3 * r["owned_ns_s"] if "owned_ns_s" in r else None, ".2f"),
                 fmt(r.get("step_over_ns"), ".2f"),
             ]
