@@ -521,6 +521,9 @@ def _error_step(
     changed = [i for i, (p, t) in enumerate(zip(params, init)) if not torch.equal(full(p), t)]
     if changed:
         problems.append(f"params {changed} changed by a step that raised")
+    steps = [g["step"] for g in opt.param_groups]
+    if any(steps):
+        problems.append(f"step counters {steps} advanced by a step that raised")
     fail_on(problems)
 
 

@@ -199,3 +199,16 @@ def test_orthogonalize_chunk_is_newton_schulz() -> None:
     assert out.dtype == torch.bfloat16 and out.shape == ps[2].shape
     ref = newton_schulz_reference(U[0])
     assert (out.double() - ref).norm() / ref.norm() < 0.01
+
+
+def test_a_step_that_raises_changes_nothing() -> None:
+    ps = _params()
+    opt = Muon(_groups(ps))
+    before = [p.detach().clone() for p in ps]
+    _set_grads(ps, 0)
+    ps[1].grad.data = torch.randn(3, 3)  # torch checks shapes only on assignment to .grad
+    with pytest.raises(ValueError, match=r"parameter 1 \(shape \(16, 32\)\): grad shape \(3, 3\)"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
+    assert [g["step"] for g in opt.param_groups] == [0, 0]
+    assert all(torch.count_nonzero(s["momentum"]) == 0 for s in opt.state.values())

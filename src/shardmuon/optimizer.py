@@ -308,15 +308,16 @@ class Muon(Optimizer):
             self._round_done.clear()
 
     def _begin_round(self) -> None:
+        """Checks first (nothing changes if they raise), then the step counters advance."""
         check_grads(self.param_groups)
-        for group in self.param_groups:
-            group["step"] += 1
-        self.last_step_stats = StepStats()
         if self.check_grads == "always" or (
             self.check_grads == "first" and not self._grads_checked
         ):
             self._check_grad_presence()
             self._grads_checked = True
+        for group in self.param_groups:
+            group["step"] += 1
+        self.last_step_stats = StepStats()
 
     def _check_grad_presence(self) -> None:
         """All-reduce grad presence per shard group; raise on every rank if it differs."""
