@@ -208,6 +208,43 @@ for _name, (_specs, _kwargs, _worlds, _quiet) in LAYOUTS.items():
     _register_layout(_name, _specs, _kwargs, _worlds, _quiet)
 
 
+@case("hsdp_split_replicas_2x2", MESH_2X2)
+def _hsdp_split_replicas(ctx: Context) -> None:
+    """HSDP with ``split_replicas``: one replica orthogonalizes each batch, all get the bits.
+
+    Across the world each matrix is orthogonalized once (not once per replica), the
+    computing replica's result bytes equal what the other replica receives, and the
+    update equals the single-process one bitwise.
+    """
+    specs = [
+        Spec((30, 16), (R, S0), "2d"),
+        Spec((3, 16), (R, S0), "2d"),
+        Spec((16, 30), (R, S1), "2d"),
+        Spec((12, 8), (R, S0), "2d"),
+        Spec((12, 8), (R, S0), "2d"),
+        Spec((4, 6, 10), (R, S0), "2d"),  # experts: local to each shard, still split
+        Spec((10,), (R, S0), "2d", algorithm="adamw"),
+    ]
+    opt, problems = compare_with_single(ctx, specs, check_traffic=False, split_replicas=True)
+    stats = opt.last_step_stats
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(
+        gathered,
+        (stats.matrices_orthogonalized, stats.replica_bytes_sent, stats.replica_bytes_received),
+    )
+    # exchanged: 5 whole matrices; local: the expert stack's 2 matrices per shard, 2 shards
+    expected = 5 + 2 * 2
+    orthogonalized = sum(g[0] for g in gathered)
+    if orthogonalized != expected:
+        problems.append(
+            f"orthogonalized {orthogonalized} matrices in the world, expected {expected}"
+        )
+    sent, received = sum(g[1] for g in gathered), sum(g[2] for g in gathered)
+    if sent != received or sent == 0:
+        problems.append(f"replica bytes sent {sent} != received {received} (or zero)")
+    fail_on(problems)
+
+
 @case("layout_uneven_chunked")
 def _uneven_chunked(ctx: Context) -> None:
     specs = LAYOUTS["partitions_cross_shards"][0] + LAYOUTS["adamw_vectors"][0]

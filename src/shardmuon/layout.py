@@ -69,7 +69,9 @@ class MatrixLayout:
     ``rows``/``cols``: the global matrix dims (after ``flatten``); ``local_rows``/``local_cols``
     and ``num_matrices``: this rank's shard, seen as ``[num_matrices, local_rows, local_cols]``.
     ``shard_axis`` is 0 (rows) or 1 (cols) for exchanged params and ``None`` for local ones;
-    ``piece_sizes[j]`` is the extent of rank ``j``'s piece along that axis.
+    ``piece_sizes[j]`` is the extent of rank ``j``'s piece along that axis. ``replicas`` is
+    the group along the one ``Replicate`` mesh dim of size > 1 (HSDP's replicate dim), if any:
+    ranks that hold identical shards.
     """
 
     rows: int
@@ -81,6 +83,7 @@ class MatrixLayout:
     shard_axis: int | None = None
     group: ShardGroup | None = None
     piece_sizes: tuple[int, ...] = ()
+    replicas: ShardGroup | None = None
 
     @property
     def exchanged(self) -> bool:
@@ -122,7 +125,9 @@ class MuonBatch:
     """Matrices orthogonalized together: one all-to-all pair, or one local batched call.
 
     ``owners[i]`` is the rank index (within ``layout.group``) that owns the ``i``-th matrix,
-    counting matrices through ``segments`` in order; empty for local batches.
+    counting matrices through ``segments`` in order; empty for local batches. ``replica`` is
+    the index (within ``layout.replicas``) of the replica that orthogonalizes this batch for
+    all replicas, or ``None`` when every replica does it itself.
     """
 
     index: int
@@ -131,6 +136,7 @@ class MuonBatch:
     owners: tuple[int, ...] = ()
     partitions: tuple[int, ...] | None = None
     eps: float = 1e-8
+    replica: int | None = None
 
     @property
     def num_matrices(self) -> int:
@@ -186,13 +192,17 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
     mesh = param.device_mesh
     matrix_dims = _matrix_dims(param.ndim, flatten)
     matrix_shards = []
+    replicate_dims = []
     for mesh_dim, placement in enumerate(param.placements):
         if isinstance(placement, Partial):
             raise ValueError(
                 f"parameter {_describe(name, param)} has a Partial placement; parameters must "
                 "be Replicate or Shard"
             )
-        if isinstance(placement, Replicate) or mesh.size(mesh_dim) == 1:
+        if mesh.size(mesh_dim) == 1:
+            continue
+        if isinstance(placement, Replicate):
+            replicate_dims.append(mesh_dim)
             continue
         dim = placement.dim % param.ndim
         if dim not in matrix_dims:
@@ -208,6 +218,8 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
                 "supported; only plain Shard placements can be exchanged"
             )
         matrix_shards.append((mesh_dim, dim))
+    if len(replicate_dims) == 1:
+        base["replicas"] = _mesh_group(mesh, replicate_dims[0])
     if not matrix_shards:
         return MatrixLayout(**base)
     if len(matrix_shards) > 1:
@@ -218,18 +230,25 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
         )
     mesh_dim, dim = matrix_shards[0]
     shard_axis = 0 if dim == (0 if flatten else param.ndim - 2) else 1
-    process_group = mesh.get_group(mesh_dim)
-    ranks = tuple(dist.get_process_group_ranks(process_group))
-    rank_index = mesh.get_local_rank(mesh_dim)
-    pieces = chunk_sizes(rows if shard_axis == 0 else cols, mesh.size(mesh_dim))
+    group = _mesh_group(mesh, mesh_dim)
+    pieces = chunk_sizes(rows if shard_axis == 0 else cols, group.size)
     own = local_rows if shard_axis == 0 else local_cols
-    if own != pieces[rank_index]:
+    if own != pieces[group.rank_index]:
         raise RuntimeError(
             f"parameter {_describe(name, param)}: local extent {own} on the sharded dim differs "
-            f"from DTensor's chunking {list(pieces)} at index {rank_index}"
+            f"from DTensor's chunking {list(pieces)} at index {group.rank_index}"
         )
-    group = ShardGroup(ranks=ranks, rank_index=rank_index, process_group=process_group)
     return MatrixLayout(**base, shard_axis=shard_axis, group=group, piece_sizes=pieces)
+
+
+def _mesh_group(mesh, mesh_dim: int) -> ShardGroup:
+    """The process group along ``mesh_dim`` that holds this rank."""
+    process_group = mesh.get_group(mesh_dim)
+    return ShardGroup(
+        ranks=tuple(dist.get_process_group_ranks(process_group)),
+        rank_index=mesh.get_local_rank(mesh_dim),
+        process_group=process_group,
+    )
 
 
 @dataclass(frozen=True)
@@ -306,12 +325,16 @@ class _OwnerPicker:
         return owners
 
 
-def plan_batches(entries: list[PlanEntry], rotate_owners: bool = True) -> list[MuonBatch]:
+def plan_batches(
+    entries: list[PlanEntry], rotate_owners: bool = True, split_replicas: bool = False
+) -> list[MuonBatch]:
     """Group parameters into batches; exchanged batches first (their traffic starts early).
 
     Deterministic in the order of ``entries``, which every rank of a group sees the same
     way, so all ranks agree on batches and owners without communicating. With
-    ``rotate_owners=False`` every batch's owners are ranks ``0..len-1`` (a baseline).
+    ``rotate_owners=False`` every batch's owners are ranks ``0..len-1`` (a baseline). With
+    ``split_replicas``, each batch of a parameter with a replicate dim is given to one replica
+    (the least loaded so far, ties round-robin), which orthogonalizes it for all.
     """
     by_key: dict[tuple, list[PlanEntry]] = {}
     for entry in entries:
@@ -343,6 +366,14 @@ def plan_batches(entries: list[PlanEntry], rotate_owners: bool = True) -> list[M
                 chunk = units[start : start + size]
                 local.append(MuonBatch(0, segments=_segments(chunk), **common))
     batches = exchanged + local
+    replica_pickers: dict[int, _OwnerPicker] = {}
     for i, batch in enumerate(batches):
         batch.index = i
+        replicas = batch.layout.replicas
+        if split_replicas and replicas is not None:
+            picker = replica_pickers.setdefault(replicas.size, _OwnerPicker(replicas.size))
+            cost = batch.num_matrices * newton_schulz_cost(
+                batch.layout.rows, batch.layout.cols, batch.partitions
+            )
+            (batch.replica,) = picker.pick(1, cost)
     return batches

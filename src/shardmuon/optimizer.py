@@ -66,6 +66,7 @@ class _Run:
     directions: Tensor | list[Tensor]
     exchange: BatchExchange | None = None
     result: Tensor | list[Tensor] | None = None
+    receives_from_replica: bool = False
 
 
 def _local(t: Tensor) -> Tensor:
@@ -92,6 +93,10 @@ class Muon(Optimizer):
         newton_schulz_impl: ``"folded"`` (default) or ``"unfolded"`` (dion's bf16 recipe,
             for benchmarks).
         rotate_owners: continue owners round-robin across batches (``False`` for benchmarks).
+        split_replicas: for parameters with a replicate mesh dim (HSDP), let one replica
+            orthogonalize each batch and broadcast the result to the others, instead of every
+            replica repeating it: Newton–Schulz work divided by the replica count, for one
+            bf16 broadcast of each rank's result shard over the replicate dim.
         warmup: run :meth:`warmup` at construction.
         check_grads: when to verify, with one small all-reduce per shard group, that a
             parameter's grad is present on all ranks of its group or on none: ``"first"``
@@ -122,6 +127,7 @@ class Muon(Optimizer):
         distributed_mesh: Any = None,
         newton_schulz_impl: str = "folded",
         rotate_owners: bool = True,
+        split_replicas: bool = False,
         warmup: bool = False,
         check_grads: str = "first",
     ) -> None:
@@ -173,6 +179,7 @@ class Muon(Optimizer):
         self.coefficients = resolve_coefficients(newton_schulz_coefficients)
         self.max_in_flight = max_in_flight
         self.rotate_owners = rotate_owners
+        self.split_replicas = bool(split_replicas)
         self.check_grads = check_grads
         self._newton_schulz = NS_IMPLEMENTATIONS[newton_schulz_impl]
         self._raw_partitions = dict(matrix_partitions or {})
@@ -182,7 +189,11 @@ class Muon(Optimizer):
         self.last_step_stats = StepStats()
         super().__init__(params, defaults)
         self._plan = build_plan(
-            self.param_groups, self._raw_partitions, self.update_rms, self.rotate_owners
+            self.param_groups,
+            self._raw_partitions,
+            self.update_rms,
+            self.rotate_owners,
+            self.split_replicas,
         )
         self._init_state()
         if warmup:
@@ -359,6 +370,7 @@ class Muon(Optimizer):
         """Phase 1: momentum and directions; the gather starts for exchanged batches."""
         plan = self._plan
         segments = [s for s in batch.segments if plan.params[s.param_index].grad is not None]
+        receives = _receives_from_replica(batch)
         directions = []
         for seg in segments:
             p = plan.params[seg.param_index]
@@ -371,9 +383,12 @@ class Muon(Optimizer):
                 float(group["mu"]),
                 bool(group["nesterov"]),
             )
-            directions.append(direction.to(torch.bfloat16))
+            if not receives:
+                directions.append(direction.to(torch.bfloat16))
         stats = self.last_step_stats
         stats.num_batches += 1
+        if receives:
+            return _Run(batch, segments, None, receives_from_replica=True)
         if not batch.layout.exchanged:
             stacked = (
                 None
@@ -405,6 +420,8 @@ class Muon(Optimizer):
 
     def _compute(self, run: _Run) -> None:
         """Phase 2: Newton–Schulz (the owner's matrix, or the local stack); return starts."""
+        if run.receives_from_replica:
+            return
         if run.exchange is None:
             if run.directions is not None:
                 run.result = self._orthogonalize(run.directions, run.batch)
@@ -414,13 +431,15 @@ class Muon(Optimizer):
         run.exchange.start_return(result, self._device())
 
     def _finish(self, run: _Run) -> None:
-        """Phase 3: decay and update of this rank's shard."""
+        """Phase 3: decay and update of this rank's shard (results shared across replicas)."""
         plan = self._plan
         if run.exchange is not None:
             pieces = run.exchange.finish_return()
             results = torch.stack(pieces) if pieces else None
         else:
             results = run.result
+        if run.batch.replica is not None and run.segments:
+            results = self._share_with_replicas(run, results)
         offset = 0
         for seg in run.segments:
             p = plan.params[seg.param_index]
@@ -434,6 +453,27 @@ class Muon(Optimizer):
                 plan.row_scales[seg.param_index],
             )
             offset += seg.count
+
+    def _share_with_replicas(self, run: _Run, results: Tensor | None) -> Tensor:
+        """Broadcast this rank's bf16 results ``[N, r, c]`` from the computing replica."""
+        layout = run.batch.layout
+        replicas = layout.replicas
+        shape = (sum(s.count for s in run.segments), layout.local_rows, layout.local_cols)
+        if run.receives_from_replica:
+            buffer = torch.empty(shape, dtype=torch.bfloat16, device=self._device())
+        else:
+            buffer = results.contiguous()
+        if buffer.numel() == 0:  # an empty shard: every replica knows, nothing to send
+            return buffer
+        src = replicas.ranks[run.batch.replica]
+        dist.broadcast(buffer, src=src, group=replicas.process_group)
+        stats = self.last_step_stats
+        nbytes = buffer.numel() * buffer.element_size()
+        if run.receives_from_replica:
+            stats.replica_bytes_received += nbytes
+        else:
+            stats.replica_bytes_sent += nbytes * (replicas.size - 1)
+        return buffer
 
     def _step_adamw(self, chunk: AdamWChunk) -> None:
         group = self.param_groups[chunk.group_index]
@@ -552,3 +592,9 @@ def _distribute_like(value: Tensor, param: DTensor) -> DTensor:
     return distribute_tensor(
         value.to(_local(param).device), param.device_mesh, param.placements, src_data_rank=None
     )
+
+
+def _receives_from_replica(batch: MuonBatch) -> bool:
+    """Whether another replica orthogonalizes ``batch`` for this rank."""
+    replicas = batch.layout.replicas
+    return batch.replica is not None and batch.replica != replicas.rank_index

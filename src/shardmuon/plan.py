@@ -43,6 +43,7 @@ def build_plan(
     matrix_partitions: dict[Tensor, Sequence[int]],
     update_rms: float,
     rotate_owners: bool,
+    split_replicas: bool = False,
 ) -> Plan:
     """Read every Muon parameter's layout and partitions and cut the batches (once)."""
     muon_params: list[tuple[int, Tensor]] = []
@@ -86,7 +87,7 @@ def build_plan(
             )
         )
         entries.append(PlanEntry(index, layout, p.dtype, sizes, float(group["epsilon"])))
-    batches = plan_batches(entries, rotate_owners=rotate_owners)
+    batches = plan_batches(entries, rotate_owners=rotate_owners, split_replicas=split_replicas)
     adamw = [AdamWChunk(g) for g, grp in enumerate(param_groups) if grp["algorithm"] == "adamw"]
     return Plan(
         params=[p for _, p in muon_params],

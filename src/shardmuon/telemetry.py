@@ -16,7 +16,8 @@ class StepStats:
     ``bytes_sent``/``bytes_received``: all-to-all payload to/from other ranks (a rank's piece
     of its own matrix never leaves it); ``bytes_minimum``: what "each non-owner piece to its
     owner and back once, in bf16" requires of this rank; ``owned_shapes``: the
-    ``(rows, cols)`` of every matrix this rank orthogonalized.
+    ``(rows, cols)`` of every matrix this rank orthogonalized; ``replica_bytes_*``: results
+    broadcast to / received from other replicas (``split_replicas=True`` only).
     """
 
     bytes_sent: int = 0
@@ -25,6 +26,8 @@ class StepStats:
     num_batches: int = 0
     matrices_orthogonalized: int = 0
     owned_shapes: list[tuple[int, int]] = field(default_factory=list)
+    replica_bytes_sent: int = 0
+    replica_bytes_received: int = 0
 
     def add_traffic(self, send_splits: list[int], recv_splits: list[int], me: int) -> None:
         """Count one all-to-all given its split sizes (elements) and this rank's index."""
