@@ -212,3 +212,19 @@ def test_a_step_that_raises_changes_nothing() -> None:
     assert all(torch.equal(p, b) for p, b in zip(ps, before))
     assert [g["step"] for g in opt.param_groups] == [0, 0]
     assert all(torch.count_nonzero(s["momentum"]) == 0 for s in opt.state.values())
+
+
+def test_add_param_group_extends_the_plan_and_state() -> None:
+    ps = _params()
+    opt = Muon([dict(params=ps[:1])])
+    opt.add_param_group(dict(params=ps[1:3]))
+    opt.add_param_group(dict(params=ps[3:], algorithm="adamw"))
+    assert all("momentum" in opt.state[p] for p in ps) and "variance" in opt.state[ps[3]]
+    _set_grads(ps, 0)
+    opt.step()
+    stepped = sum(c.num_matrices for c in opt.chunks() if hasattr(c, "num_matrices"))
+    assert stepped == 1 + 1 + 3  # the 3-D param is 3 matrices
+    with pytest.raises(ValueError, match=r"param group 3 \(algorithm 'muon'\): parameter 0"):
+        opt.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(4))]))
+    assert len(opt.param_groups) == 3  # the rejected group is not kept
+    opt.step()

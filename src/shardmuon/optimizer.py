@@ -188,13 +188,7 @@ class Muon(Optimizer):
         self._grads_checked = False
         self.last_step_stats = StepStats()
         super().__init__(params, defaults)
-        self._plan = build_plan(
-            self.param_groups,
-            self._raw_partitions,
-            self.update_rms,
-            self.rotate_owners,
-            self.split_replicas,
-        )
+        self._plan = self._make_plan()
         self._init_state()
         if warmup:
             self.warmup()
@@ -202,14 +196,31 @@ class Muon(Optimizer):
     # ----------------------------------------------------------------- planning
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group (validated as in the constructor); the plan is rebuilt."""
+        """Add a group (validated as in the constructor); the plan is rebuilt.
+
+        A group that fails validation, or whose parameters cannot be planned, is removed
+        again, leaving the optimizer as it was.
+        """
         super().add_param_group(param_group)
-        check_group(len(self.param_groups) - 1, self.param_groups[-1])
+        try:
+            check_group(len(self.param_groups) - 1, self.param_groups[-1])
+            if self._plan is not None:
+                plan = self._make_plan()
+        except Exception:
+            self.param_groups.pop()
+            raise
         if self._plan is not None:
-            self._plan = build_plan(
-                self.param_groups, self._raw_partitions, self.update_rms, self.rotate_owners
-            )
+            self._plan = plan
             self._init_state()
+
+    def _make_plan(self) -> Plan:
+        return build_plan(
+            self.param_groups,
+            self._raw_partitions,
+            self.update_rms,
+            self.rotate_owners,
+            self.split_replicas,
+        )
 
     def _init_state(self) -> None:
         """Create state for every parameter now: DCP needs the same keys on every rank."""
