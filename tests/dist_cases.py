@@ -542,7 +542,8 @@ def _error_step(
 ) -> None:
     """A step with bad grads raises on every rank before any all-to-all, params untouched.
 
-    ``all_reduces``: how many all-reduces may run first (the grad-presence check's one).
+    ``all_reduces``: how many all-reduces may run first (the first-step check: one for the
+    plan signature, one for grad presence).
     """
     specs = [Spec((8, 6), (S0,)), Spec((9, 6), (S0,))]
     init = random_tensors([s.shape for s in specs], 3)
@@ -591,7 +592,24 @@ def _grad_some_ranks(ctx: Context) -> None:
         else:
             params[1].grad = None
 
-    _error_step(ctx, grads, ValueError, ["(9, 6)", "grad on some ranks"], all_reduces=1)
+    _error_step(ctx, grads, ValueError, ["(9, 6)", "grad on some ranks"], all_reduces=2)
+
+
+@case("error_different_params_per_rank", MULTI_RANK)
+def _different_params(ctx: Context) -> None:
+    """The last rank holds one more sharded matrix than the others: all ranks raise at the
+    first step's plan check, before any all-to-all, instead of hanging."""
+    specs = [Spec((8, 6), (S0,))] + [Spec((10, 6), (S0,))] * (ctx.rank == ctx.world_size - 1)
+    init = random_tensors([s.shape for s in specs], 5)
+    params = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
+    opt = make_optimizer(params, specs)
+    for p, s in zip(params, specs):
+        p.grad = place(ctx, s, torch.ones(s.shape))
+    with counting_all_to_all() as calls:
+        problems = expect_raises(ValueError, ["planned different Muon batches", "(8, 6)"], opt.step)
+    if calls:
+        problems.append(f"{len(calls)} all-to-alls ran before the error")
+    fail_on(problems)
 
 
 @case("error_partial_param")

@@ -22,6 +22,7 @@ same bits.
 from __future__ import annotations
 
 import functools
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -342,9 +343,14 @@ class Muon(Optimizer):
         self.last_step_stats = StepStats()
 
     def _check_grad_presence(self) -> None:
-        """All-reduce grad presence per shard group; raise on every rank if it differs."""
+        """Per shard group: the same plan everywhere, and grads on all ranks or on none.
+
+        One all-reduce of a plan signature, then one of grad-presence flags, per group; a
+        mismatch raises on every rank of the group instead of hanging in an all-to-all.
+        """
         plan = self._plan
         for group in self.shard_groups():
+            self._check_same_plan(group)
             members = [
                 i
                 for i, layout in enumerate(plan.layouts)
@@ -365,6 +371,26 @@ class Muon(Optimizer):
                     "must exist on all ranks of its group or on none (FSDP2 guarantees this: "
                     "check for parameters used on some ranks only)"
                 )
+
+    def _check_same_plan(self, group: ShardGroup) -> None:
+        """Raise on every rank of ``group`` if its ranks planned different batches."""
+        batches = [b for b in self._plan.batches if b.layout.group is not None]
+        batches = [b for b in batches if b.layout.group.ranks == group.ranks]
+        described = [
+            (b.layout.rows, b.layout.cols, b.layout.shard_axis, b.num_matrices, b.owners)
+            for b in batches
+        ]
+        signature = zlib.crc32(repr(described).encode())
+        total = torch.tensor([signature], dtype=torch.int64, device=self._device())
+        dist.all_reduce(total, group=group.process_group)
+        if total.item() != signature * group.size:
+            shapes = sorted({(rows, cols) for rows, cols, *_ in described})
+            raise ValueError(
+                f"the ranks of shard group {list(group.ranks)} planned different Muon batches "
+                f"(this rank: {len(batches)} batches of matrix shapes {shapes}); every rank "
+                "of a group must hold the same parameters, in the same order, with the same "
+                "global shapes and placements"
+            )
 
     def _views(self, index: int, tensor: Tensor) -> Tensor:
         """The ``[N, rows, cols]`` view of Muon parameter ``index``'s local shard (or state).
