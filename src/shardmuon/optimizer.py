@@ -99,9 +99,10 @@ class Muon(Optimizer):
             replica repeating it: Newton–Schulz work divided by the replica count, for one
             bf16 broadcast of each rank's result shard over the replicate dim.
         warmup: run :meth:`warmup` at construction.
-        check_grads: when to verify, with one small all-reduce per shard group, that a
-            parameter's grad is present on all ranks of its group or on none: ``"first"``
-            step (default), ``"always"`` or ``"never"``. A parameter without a grad is
+        check_grads: when to verify, with two small all-reduces per shard group, that the
+            group's ranks planned the same batches and that a parameter's grad is present on
+            all ranks of its group or on none: ``"first"`` step (default), ``"always"`` or
+            ``"never"``. A parameter without a grad is
             skipped (no momentum, no decay) on every rank, as in dion.
 
     NaN or inf in a gradient propagate into that parameter's momentum and, through
