@@ -262,18 +262,16 @@ class PlanEntry:
     eps: float
 
 
-def _batch_key(entry: PlanEntry) -> tuple:
-    layout = entry.layout
+def batch_key(
+    layout: MatrixLayout, dtype: torch.dtype, partitions: tuple[int, ...] | None, eps: float
+) -> tuple:
+    """What matrices must share to be orthogonalized in one batch (the same on every rank)."""
     group_ranks = layout.group.ranks if layout.group else None
-    return (
-        group_ranks,
-        layout.shard_axis,
-        layout.rows,
-        layout.cols,
-        entry.dtype,
-        entry.partitions,
-        entry.eps,
-    )
+    return (group_ranks, layout.shard_axis, layout.rows, layout.cols, dtype, partitions, eps)
+
+
+def _batch_key(entry: PlanEntry) -> tuple:
+    return batch_key(entry.layout, entry.dtype, entry.partitions, entry.eps)
 
 
 def _units(entries: list[PlanEntry]) -> list[tuple[int, int]]:

@@ -41,6 +41,7 @@ from shardmuon.layout import (
     MuonBatch,
     Segment,
     ShardGroup,
+    batch_key,
 )
 from shardmuon.newton_schulz import newton_schulz, newton_schulz_unfolded, resolve_coefficients
 from shardmuon.partitions import orthogonalize_blocks
@@ -600,16 +601,9 @@ class Muon(Optimizer):
         return out
 
     def _batch_signature(self, index: int) -> tuple:
-        layout = self._plan.layouts[index]
-        group_ranks = layout.group.ranks if layout.group else None
-        return (
-            group_ranks,
-            layout.shard_axis,
-            layout.rows,
-            layout.cols,
-            self._plan.params[index].dtype,
-            self._plan.partitions[index],
-        )
+        plan = self._plan
+        eps = float(self.param_groups[plan.group_of[index]]["epsilon"])
+        return batch_key(plan.layouts[index], plan.params[index].dtype, plan.partitions[index], eps)
 
     # ----------------------------------------------------------- checkpoints
 
