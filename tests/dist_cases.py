@@ -245,6 +245,23 @@ def _hsdp_split_replicas(ctx: Context) -> None:
     fail_on(problems)
 
 
+@case("replicated_split_replicas", MULTI_RANK)
+def _replicated_split(ctx: Context) -> None:
+    """DDP-style ``Replicate()`` params with ``split_replicas``: the world shares the work.
+
+    Seven matrices of one shape and two of another, whole on every rank: each is
+    orthogonalized by one rank (the batches are cut so every rank gets a share) and
+    broadcast; the update equals the single-process one bitwise.
+    """
+    specs = [Spec((12, 8), (R,))] * 7 + [Spec((8, 20), (R,))] * 2
+    opt, problems = compare_with_single(ctx, specs, check_traffic=False, split_replicas=True)
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, opt.last_step_stats.matrices_orthogonalized)
+    if sum(gathered) != 9 or max(gathered) > 5:
+        problems.append(f"matrices orthogonalized per rank {gathered}: expected 9 in all, shared")
+    fail_on(problems)
+
+
 @case("layout_uneven_chunked")
 def _uneven_chunked(ctx: Context) -> None:
     specs = LAYOUTS["partitions_cross_shards"][0] + LAYOUTS["adamw_vectors"][0]

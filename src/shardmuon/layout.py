@@ -267,7 +267,17 @@ def batch_key(
 ) -> tuple:
     """What matrices must share to be orthogonalized in one batch (the same on every rank)."""
     group_ranks = layout.group.ranks if layout.group else None
-    return (group_ranks, layout.shard_axis, layout.rows, layout.cols, dtype, partitions, eps)
+    replica_ranks = layout.replicas.ranks if layout.replicas else None
+    return (
+        group_ranks,
+        replica_ranks,
+        layout.shard_axis,
+        layout.rows,
+        layout.cols,
+        dtype,
+        partitions,
+        eps,
+    )
 
 
 def _batch_key(entry: PlanEntry) -> tuple:
@@ -360,6 +370,9 @@ def plan_batches(
             itemsize = 2  # bf16 input of Newton–Schulz
             per_matrix = max(1, layout.local_rows * layout.local_cols * itemsize)
             size = max(1, LOCAL_BATCH_BYTES // per_matrix)
+            if split_replicas and layout.replicas is not None:
+                # Enough batches that every replica gets a share of this shape's matrices.
+                size = min(size, -(-len(units) // layout.replicas.size))
             for start in range(0, len(units), size):
                 chunk = units[start : start + size]
                 local.append(MuonBatch(0, segments=_segments(chunk), **common))
