@@ -69,3 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # its own errors, without a traceback.
         print(f"shardmuon: error: {err}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

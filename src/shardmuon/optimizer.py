@@ -8,8 +8,10 @@ for the all-to-alls):
 2. *compute* — the owner assembles its whole matrix and runs Newton–Schulz (per block
    for partitioned matrices); the return all-to-all starts. Local batches run
    Newton–Schulz on their stack here.
-3. *finish* — every rank applies decoupled weight decay and ``X -= lr*scale*O`` to its
-   own shard, in fp32.
+3. *finish* — with ``split_replicas``, the computing replica broadcasts each rank's result
+   shard over the replicate dim (the other replicas skipped phases 1's exchange and 2);
+   then every rank applies decoupled weight decay and ``X -= lr*scale*O`` to its own shard,
+   in fp32.
 
 ``step()`` keeps up to ``max_in_flight`` batches between phases 1 and 2, so all-to-alls
 of later batches overlap Newton–Schulz of earlier ones, and finishes a batch only after
