@@ -431,6 +431,11 @@ def run(args: argparse.Namespace) -> int:
     world = torchrun_world_size()
     if world is None:
         world = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+        if torch.cuda.is_available() and world > torch.cuda.device_count():
+            raise ValueError(
+                f"--nproc {world} needs {world} GPUs (one per process, NCCL); this machine has "
+                f"{torch.cuda.device_count()}"
+            )
     plan = plan_layout(args.layout, world, _parse_mesh(args.mesh))
     impls, skipped = parse_impls(args.impl, world, args.layout)
     cfg = StepConfig(
