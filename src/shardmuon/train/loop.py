@@ -90,6 +90,11 @@ class TrainConfig:
                 f"batch_size ({self.batch_size}) must be >= nproc ({self.nproc}): "
                 "every rank needs at least one sample"
             )
+        if torch.cuda.is_available() and self.nproc > torch.cuda.device_count():
+            raise ValueError(
+                f"nproc {self.nproc} needs {self.nproc} GPUs (one per process, NCCL); this "
+                f"machine has {torch.cuda.device_count()}"
+            )
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.checkpoint_every and not self.checkpoint_dir:
