@@ -228,3 +228,22 @@ def test_add_param_group_extends_the_plan_and_state() -> None:
         opt.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(4))]))
     assert len(opt.param_groups) == 3  # the rejected group is not kept
     opt.step()
+
+
+def test_loads_a_microsoft_dion_state_dict() -> None:
+    """microsoft/dion adds ``cautious_wd`` (group) and ``step_dev`` (AdamW state)."""
+    ps = _params()
+    opt = Muon(_groups(ps))
+    _set_grads(ps, 0)
+    opt.step()
+    sd = opt.state_dict()
+    for group in sd["param_groups"]:
+        group["cautious_wd"] = False
+    sd["state"][3]["step_dev"] = torch.tensor(1.0)
+    fresh = Muon(_groups(_params()))
+    fresh.load_state_dict(sd)
+    assert all(g["cautious_wd"] is False for g in fresh.state_dict()["param_groups"])
+    assert sorted(fresh.state_dict()["state"][3]) == ["momentum", "variance"]
+    sd["param_groups"][1]["cautious_wd"] = True
+    with pytest.raises(ValueError, match=r"param group 1 of this state dict has cautious_wd=True"):
+        fresh.load_state_dict(sd)

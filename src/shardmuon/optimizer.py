@@ -610,8 +610,22 @@ class Muon(Optimizer):
     # ----------------------------------------------------------- checkpoints
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a shardmuon or dion state dict; missing state is created, DTensor state restored."""
+        """Load a shardmuon or dion state dict; missing state is created, DTensor state restored.
+
+        Both dion forks load: samsja/dion's layout is shardmuon's; microsoft/dion adds the
+        group key ``cautious_wd`` (kept; ``True`` is refused, shardmuon has no cautious weight
+        decay) and a per-parameter AdamW ``step_dev`` (dropped: the group's ``step`` counts).
+        """
+        for i, group in enumerate(state_dict.get("param_groups", [])):
+            if group.get("cautious_wd"):
+                raise ValueError(
+                    f"param group {i} of this state dict has cautious_wd=True (microsoft/dion's "
+                    "cautious weight decay), which shardmuon does not implement; resuming would "
+                    "silently change the update"
+                )
         super().load_state_dict(state_dict)
+        for state in self.state.values():
+            state.pop("step_dev", None)
         self._init_state()
         self._round_done.clear()
 
