@@ -137,20 +137,13 @@ def check_compatible(ckpt: Path, expected: Mapping[str, tuple[int, ...] | None])
             shape_diffs.append(f"{key} {tuple(meta.size)} (this run: {shape})")
     if shape_diffs:
         problems.append(f"shapes differ: {_summarise(shape_diffs)}")
-    missing_state = [
-        k[len("optim.state.") :]
-        for k in expected
-        if k.startswith("optim.state.") and k not in stored
-    ]
-    if missing_state:
-        problems.append(f"missing optimizer state: {_summarise(missing_state)}")
-    missing_groups = [
-        k[len("optim.param_groups.") :]
-        for k in expected
-        if k.startswith("optim.param_groups.") and k not in stored
-    ]
-    if missing_groups:
-        problems.append(f"missing optimizer param-group settings: {_summarise(missing_groups)}")
+    for prefix, what in (
+        ("optim.state.", "optimizer state"),
+        ("optim.param_groups.", "optimizer param-group settings"),
+    ):
+        missing = [k[len(prefix) :] for k in expected if k.startswith(prefix) and k not in stored]
+        if missing:
+            problems.append(f"missing {what}: {_summarise(missing)}")
     if problems:
         raise CheckpointError(f"cannot resume from {str(ckpt)!r}: " + "; ".join(problems))
 
