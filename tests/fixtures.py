@@ -1,8 +1,8 @@
 """Load dion's reference trajectories and build shardmuon params / groups from them.
 
-The case files live outside the repository, at ``<repo>/../shared/fixtures/dion`` (the same
-place in CI). A missing file fails the test with a message instead of skipping it: these
-fixtures are the acceptance bar and must not silently disappear.
+The case files are kept in the repository, in ``tests/fixtures/dion`` (their README says what
+they are and how they were produced). A missing file fails the test with a message instead
+of skipping it: these fixtures are the acceptance bar and must not silently disappear.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 import shardmuon
 
-FIXTURE_DIR = Path(__file__).parents[1] / ".." / "shared" / "fixtures" / "dion"
+FIXTURE_DIR = Path(__file__).parent / "fixtures" / "dion"
 
 # bf16 noise floor from the README ("grads x 1.001" row, case A, steps 1-4): how far the Muon
 # update of dion itself moves when only its bf16 rounding changes.

@@ -18,12 +18,53 @@ from shardmuon.optimizer import Muon
 from shardmuon.routing import build_param_groups
 
 
-def test_defaults_are_the_muon_constructor_defaults() -> None:
+# Muon keywords a config does not carry: what the model gives (params, partitions through
+# the routing) and dion's mesh and kernel arguments, which Muon accepts and ignores.
+NOT_IN_CONFIG = {
+    "self",
+    "params",
+    "matrix_partitions",
+    "distributed_mesh",
+    "world_mesh",
+    "fsdp_mesh_dim",
+    "use_triton",
+    "newton_schulz_func",
+}
+# Where the defaults differ on purpose: Muon is dion's drop-in, the config is the seed's.
+CONFIG_DEFAULTS = {"adjust_lr": ("rms_norm", "spectral_norm")}
+
+
+def test_config_covers_every_constructor_option_with_its_default() -> None:
     signature = inspect.signature(Muon.__init__).parameters
-    config = MuonConfig()
-    for name, value in config.model_dump().items():
-        assert name in signature, f"{name} is not a Muon keyword"
-        assert value == signature[name].default, name
+    fields = MuonConfig().model_dump()
+    assert set(signature) - NOT_IN_CONFIG == set(fields)
+    for name, value in fields.items():
+        expected_config, expected_muon = CONFIG_DEFAULTS.get(name, (value, value))
+        assert value == expected_config, name
+        assert signature[name].default == expected_muon, name
+
+
+def test_every_config_field_reaches_the_optimizer() -> None:
+    model = nn.Sequential(nn.Linear(8, 6, bias=False))
+    config = MuonConfig(
+        flatten=True,
+        split_replicas=True,
+        rotate_owners=False,
+        check_grads="always",
+        newton_schulz_impl="unfolded",
+        max_in_flight=2,
+        update_rms=0.3,
+    )
+    opt = build_optimizer(model, config)
+    assert (opt.split_replicas, opt.rotate_owners, opt.check_grads, opt.max_in_flight) == (
+        True,
+        False,
+        "always",
+        2,
+    )
+    assert opt.update_rms == 0.3
+    assert opt.newton_schulz_impl == "unfolded"
+    assert all(group["flatten"] for group in opt.param_groups)
 
 
 BAD_VALUES = [
@@ -71,6 +112,10 @@ BAD_VALUES = [
     ("max_in_flight", 0, r"max_in_flight must be an int >= 1, got 0"),
     ("max_in_flight", 2.5, r"max_in_flight must be an int >= 1, got 2.5"),
     ("momentum", 0.9, r"momentum\n  Extra inputs are not permitted"),
+    ("check_grads", "sometimes", r"Input should be 'first', 'always' or 'never'"),
+    ("newton_schulz_impl", "fast", r"Input should be 'folded' or 'unfolded'"),
+    ("split_replicas", "maybe", r"Input should be a valid boolean"),
+    ("flatten", 2, r"Input should be a valid boolean"),
 ]
 
 

@@ -13,6 +13,8 @@ parameters within an ulp of dion, which is what makes a dion checkpoint resume c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -31,8 +33,13 @@ def adamw_update_(
     weight_decay: float,
     epsilon: float,
     step: int,
+    on_param_done: Callable[[int], None] | None = None,
 ) -> None:
-    """One AdamW step on lists of same-length local tensors; params and state change in place."""
+    """One AdamW step on lists of same-length local tensors; params and state change in place.
+
+    ``on_param_done(i)`` is called after parameter ``i`` is fully updated (lets a caller
+    resume a step that failed part-way without stepping a parameter twice).
+    """
     lr_t = torch.tensor(lr)
     beta1_t = torch.tensor(beta1)
     beta2_t = torch.tensor(beta2)
@@ -42,10 +49,12 @@ def adamw_update_(
     bias2_sqrt = (1 - beta2_t**step).sqrt()
     decay = 1 - lr_t * wd_t
     step_size = lr_t / bias1
-    for param, grad, momentum, variance in zip(params, grads, momenta, variances):
+    for i, (param, grad, momentum, variance) in enumerate(zip(params, grads, momenta, variances)):
         grad = grad.to(momentum.dtype)
         momentum.lerp_(grad, 1 - beta1_t)
         variance.lerp_((grad * grad).to(variance.dtype), 1 - beta2_t)
         denom = variance.sqrt().div_(bias2_sqrt).add_(eps_t)
         param.mul_(decay)
         param.sub_(momentum.div(denom).mul_(step_size))
+        if on_param_done is not None:
+            on_param_done(i)

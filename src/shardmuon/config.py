@@ -14,7 +14,7 @@ catches every bad config).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from torch import nn
@@ -45,7 +45,13 @@ def _number(field_name: str, value: Any, accepted: str) -> float:
 
 
 class MuonConfig(BaseModel):
-    """Muon hyperparameters; defaults are those of the ``shardmuon.Muon`` constructor.
+    """Every ``shardmuon.Muon`` constructor option a user sets, with the same names.
+
+    Defaults are the constructor's, except ``adjust_lr``: the constructor defaults to dion's
+    ``"spectral_norm"`` (drop-in for dion call sites), the config to the seed's
+    ``"rms_norm"`` with ``update_rms=0.2`` (prime-rl's ``optim.*`` defaults). Left out on
+    purpose: ``params`` and ``matrix_partitions`` (they come from the model, through
+    :func:`build_optimizer`'s routing) and the dion mesh arguments (ignored by ``Muon``).
 
     ``newton_schulz_coefficients``: a preset name from ``shardmuon.NS_PRESETS``, a list of
     ``(a, b, c)`` triples (one per iteration), or ``None`` for the ``"dion"`` preset.
@@ -64,6 +70,12 @@ class MuonConfig(BaseModel):
     adjust_lr: str | None = "rms_norm"
     newton_schulz_coefficients: CoefficientSpec = None
     max_in_flight: int = 3
+    flatten: bool = False
+    split_replicas: bool = False
+    rotate_owners: bool = True
+    check_grads: Literal["first", "always", "never"] = "first"
+    newton_schulz_impl: Literal["folded", "unfolded"] = "folded"
+    warmup: bool = False
 
     @field_validator("lr", "weight_decay", "epsilon", mode="before")
     @classmethod

@@ -24,6 +24,7 @@ same bits.
 from __future__ import annotations
 
 import functools
+import math
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -47,10 +48,18 @@ from shardmuon.layout import (
 )
 from shardmuon.newton_schulz import newton_schulz, newton_schulz_unfolded, resolve_coefficients
 from shardmuon.partitions import orthogonalize_blocks
-from shardmuon.plan import AdamWChunk, Plan, build_plan
+from shardmuon.plan import AdamWChunk, Plan, build_plan, plan_settings
+from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.telemetry import StepStats
 from shardmuon.update import momentum_update_, weight_update_
-from shardmuon.validation import check_adjust_lr, check_grads, check_group, check_mesh, check_number
+from shardmuon.validation import (
+    check_adjust_lr,
+    check_grads,
+    check_group,
+    check_group_settings,
+    check_mesh,
+    check_number,
+)
 
 __all__ = ["Muon"]
 
@@ -71,6 +80,25 @@ class _Run:
     exchange: BatchExchange | None = None
     result: Tensor | list[Tensor] | None = None
     receives_from_replica: bool = False
+    computed: bool = False
+    results: Tensor | None = None
+    finished: int = 0
+
+
+@dataclass
+class _AdamWProgress:
+    """How many parameters of an AdamW chunk were updated (to resume a failed chunk)."""
+
+    done: int = 0
+
+
+def _nothing() -> None:
+    return None
+
+
+def _scalar(value: Any) -> float:
+    """A group setting as a Python float (a 1-element tensor lr included)."""
+    return float(value.item()) if isinstance(value, Tensor) else float(value)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -83,8 +111,15 @@ class Muon(Optimizer):
     Args:
         params: param groups (dicts with ``params`` and ``algorithm`` = ``"muon"`` or
             ``"adamw"``), or an iterable of tensors (one Muon group).
+        distributed_mesh: accepted for drop-in use with dion (in dion's position) and only
+            type-checked: the distribution comes from each parameter's DTensor placements.
         lr, mu, betas, weight_decay, epsilon, nesterov, adjust_lr, flatten: group defaults, as
-            in dion (``epsilon`` is AdamW's eps and Newton–Schulz's normalisation eps).
+            in dion, with dion's defaults (``adjust_lr="spectral_norm"``: the lr of an
+            ``[m, n]`` matrix is scaled by ``sqrt(m / n)``; ``epsilon`` > 0 is AdamW's eps and
+            Newton–Schulz's normalisation eps). Each group may also carry microsoft/dion's
+            ``split_sizes`` / ``num_heads`` (turned into partitions).
+        use_triton: dion's kernel switch, accepted and ignored (the math is the same).
+        newton_schulz_func: dion's custom-orthogonalization hook; only ``None`` is accepted.
         update_rms: the update RMS for ``adjust_lr="rms_norm"``: the lr of an
             ``[m, n]`` matrix is scaled by ``update_rms * sqrt(max(m, n))`` (0.2 = dion).
         newton_schulz_coefficients: a preset name from ``NS_PRESETS`` or a list of
@@ -92,8 +127,6 @@ class Muon(Optimizer):
         matrix_partitions: ``{param: (rows_1, ...)}`` for fused weights: blocks along dim -2
             orthogonalized and scaled on their own. An optimizer attribute, not a group key.
         max_in_flight: batches between the gather and the compute phase in ``step()``.
-        distributed_mesh: accepted for drop-in use with dion and only type-checked: the
-            distribution comes from each parameter's DTensor placements.
         newton_schulz_impl: ``"folded"`` (default) or ``"unfolded"`` (dion's bf16 recipe,
             for benchmarks).
         rotate_owners: continue owners round-robin across batches (``False`` for benchmarks).
@@ -102,6 +135,8 @@ class Muon(Optimizer):
             replica repeating it: Newton–Schulz work divided by the replica count, for one
             bf16 broadcast of each rank's result shard over the replicate dim.
         warmup: run :meth:`warmup` at construction.
+        world_mesh, fsdp_mesh_dim: samsja/dion's mesh arguments (prime-rl passes them),
+            accepted and only type-checked, like ``distributed_mesh``.
         check_grads: when to verify, with two small all-reduces per shard group, that the
             group's ranks planned the same batches and that a parameter's grad is present on
             all ranks of its group or on none: ``"first"`` step (default), ``"always"`` or
@@ -116,56 +151,55 @@ class Muon(Optimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict],
-        *,
+        distributed_mesh: Any = None,
         lr: float = 0.01,
         mu: float = 0.95,
         betas: tuple[float, float] = (0.9, 0.95),
         weight_decay: float = 0.01,
         epsilon: float = 1e-8,
         nesterov: bool = False,
-        adjust_lr: str | None = "rms_norm",
+        adjust_lr: str | None = "spectral_norm",
         flatten: bool = False,
+        use_triton: bool = False,
+        newton_schulz_func: Callable | None = None,
+        *,
         update_rms: float = 0.2,
         newton_schulz_coefficients: str | Sequence[Sequence[float]] | None = None,
         matrix_partitions: dict[Tensor, Sequence[int]] | None = None,
         max_in_flight: int = 3,
-        distributed_mesh: Any = None,
         newton_schulz_impl: str = "folded",
         rotate_owners: bool = True,
         split_replicas: bool = False,
         warmup: bool = False,
         check_grads: str = "first",
+        world_mesh: Any = None,
+        fsdp_mesh_dim: Any = None,
     ) -> None:
         if not isinstance(betas, Sequence) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        if isinstance(update_rms, bool) or not isinstance(update_rms, (int, float)):
-            raise TypeError(f"update_rms must be a number, got {update_rms!r}")
-        if not update_rms > 0:
-            raise ValueError(f"update_rms must be > 0, got {update_rms!r}")
-        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
-            raise TypeError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
-        if newton_schulz_impl not in NS_IMPLEMENTATIONS:
-            raise ValueError(
-                f"unknown newton_schulz_impl {newton_schulz_impl!r}; accepted: "
-                f"{', '.join(map(repr, NS_IMPLEMENTATIONS))}"
-            )
-        if check_grads not in CHECK_GRADS:
-            raise ValueError(
-                f"unknown check_grads {check_grads!r}; accepted: "
-                f"{', '.join(map(repr, CHECK_GRADS))}"
-            )
         check_mesh(distributed_mesh)
+        check_mesh(world_mesh, "world_mesh")
+        if fsdp_mesh_dim is not None and not isinstance(fsdp_mesh_dim, (int, str)):
+            raise TypeError(
+                f"fsdp_mesh_dim must be None, an int or a mesh dim name, got {fsdp_mesh_dim!r}"
+            )
+        if not isinstance(use_triton, bool):
+            raise TypeError(f"use_triton must be True or False, got {use_triton!r}")
+        if newton_schulz_func is not None:
+            raise ValueError(
+                "newton_schulz_func (dion's custom orthogonalization) is not supported; choose "
+                "the iteration with newton_schulz_coefficients (a preset name or (a, b, c) "
+                "triples)"
+            )
         for name, value, upper in (
             ("lr", lr, None),
             ("mu", mu, 1.0),
             ("betas[0]", betas[0], 1.0),
             ("betas[1]", betas[1], 1.0),
             ("weight_decay", weight_decay, None),
-            ("epsilon", epsilon, None),
         ):
             check_number(name, value, upper)
+        check_number("epsilon", epsilon, positive=True)
         check_adjust_lr("", adjust_lr)
         defaults = dict(
             lr=lr,
@@ -180,23 +214,56 @@ class Muon(Optimizer):
             flatten=flatten,
             adjust_lr=adjust_lr,
         )
-        self.update_rms = float(update_rms)
+        self.update_rms = update_rms
         self.coefficients = resolve_coefficients(newton_schulz_coefficients)
         self.max_in_flight = max_in_flight
         self.rotate_owners = rotate_owners
-        self.split_replicas = bool(split_replicas)
+        self.split_replicas = split_replicas
         self.check_grads = check_grads
-        self._newton_schulz = NS_IMPLEMENTATIONS[newton_schulz_impl]
+        self.newton_schulz_impl = newton_schulz_impl
+        self._check_options()
+        self.update_rms = float(update_rms)
         self._raw_partitions = dict(matrix_partitions or {})
-        self._plan: Plan | None = None
-        self._round_done: set[int] = set()
-        self._grads_checked = False
-        self.last_step_stats = StepStats()
+        self._reset_runtime()
         super().__init__(params, defaults)
-        self._plan = self._make_plan()
-        self._init_state()
+        self._ensure_plan()
         if warmup:
             self.warmup()
+
+    def _reset_runtime(self) -> None:
+        """What is derived from the settings, not part of them (rebuilt after a copy)."""
+        self._plan: Plan | None = None
+        self._plan_settings: tuple | None = None
+        self._plan_verified = False
+        self._round: set[int] | None = None
+        self._pending: dict[int, Any] = {}
+        self.last_step_stats = StepStats()
+
+    def _check_options(self) -> None:
+        """The optimizer-wide settings (public attributes, so checked again before each step)."""
+        rms = self.update_rms
+        if isinstance(rms, bool) or not isinstance(rms, (int, float)):
+            raise TypeError(f"update_rms must be a number, got {rms!r}")
+        if not (rms > 0 and math.isfinite(rms)):
+            raise ValueError(f"update_rms must be a finite number > 0, got {rms!r}")
+        flight = self.max_in_flight
+        if isinstance(flight, bool) or not isinstance(flight, int):
+            raise TypeError(f"max_in_flight must be an int >= 1, got {flight!r}")
+        if flight < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {flight!r}")
+        if self.newton_schulz_impl not in NS_IMPLEMENTATIONS:
+            raise ValueError(
+                f"unknown newton_schulz_impl {self.newton_schulz_impl!r}; accepted: "
+                f"{', '.join(map(repr, NS_IMPLEMENTATIONS))}"
+            )
+        if self.check_grads not in CHECK_GRADS:
+            raise ValueError(
+                f"unknown check_grads {self.check_grads!r}; accepted: "
+                f"{', '.join(map(repr, CHECK_GRADS))}"
+            )
+        for name in ("rotate_owners", "split_replicas"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     # ----------------------------------------------------------------- planning
 
@@ -204,28 +271,66 @@ class Muon(Optimizer):
         """Add a group (validated as in the constructor); the plan is rebuilt.
 
         A group that fails validation, or whose parameters cannot be planned, is removed
-        again, leaving the optimizer as it was.
+        again, leaving the optimizer as it was. Refused while a ``step_chunk`` round is open.
         """
+        if self._round is not None:
+            raise RuntimeError(
+                "add_param_group during a step_chunk round; step the remaining chunks first"
+            )
         super().add_param_group(param_group)
+        if self._plan_settings is None:  # the constructor plans once, after all groups
+            return
         try:
-            check_group(len(self.param_groups) - 1, self.param_groups[-1])
-            if self._plan is not None:
-                plan = self._make_plan()
+            self._ensure_plan()
         except Exception:
             self.param_groups.pop()
             raise
-        if self._plan is not None:
-            self._plan = plan
-            self._init_state()
 
-    def _make_plan(self) -> Plan:
+    def _make_plan(self, param_groups: list[dict] | None = None) -> Plan:
         return build_plan(
+            self.param_groups if param_groups is None else param_groups,
+            self._raw_partitions,
+            self.update_rms,
+            self.rotate_owners,
+            self.split_replicas,
+        )
+
+    def _current_settings(self) -> tuple:
+        return plan_settings(
             self.param_groups,
             self._raw_partitions,
             self.update_rms,
             self.rotate_owners,
             self.split_replicas,
         )
+
+    def _ensure_plan(self) -> None:
+        """Check the live settings; rebuild the plan if what it was built from changed.
+
+        Group settings are live, as in torch.optim: lr, weight_decay, mu, nesterov and the
+        betas are read at each step; a change of a group's algorithm, adjust_lr, epsilon,
+        flatten, split_sizes/num_heads or parameters (an edit, a loaded state dict,
+        ``add_param_group``), or of ``update_rms``/``rotate_owners``/``split_replicas``,
+        rebuilds the plan and reruns the first-step agreement check. Nothing changes if a
+        check raises.
+        """
+        self._check_options()
+        for index, group in enumerate(self.param_groups):
+            check_group_settings(index, group)
+        settings = self._current_settings()
+        if settings == self._plan_settings:
+            return
+        if self._round is not None:
+            raise RuntimeError(
+                "the param groups' planned settings or parameters changed during a "
+                "step_chunk round; step the remaining chunks first, then change them"
+            )
+        for index, group in enumerate(self.param_groups):
+            check_group(index, group)
+        plan = self._make_plan()
+        self._plan, self._plan_settings = plan, settings
+        self._init_state()
+        self._plan_verified = False
 
     def _init_state(self) -> None:
         """Create state for every parameter now: DCP needs the same keys on every rank."""
@@ -241,11 +346,17 @@ class Muon(Optimizer):
                         state[key] = _distribute_like(value, p)
 
     def chunks(self) -> list[Chunk]:
-        """The fixed list of chunks: Muon batches (exchanged ones first), then AdamW groups."""
+        """The list of chunks: Muon batches (exchanged ones first), then AdamW groups.
+
+        Fixed while the plan is (see :meth:`_ensure_plan`); a changed setting gives new
+        chunk objects.
+        """
+        self._ensure_plan()
         return [*self._plan.batches, *self._plan.adamw]
 
     def shard_groups(self) -> list[ShardGroup]:
         """Distinct process groups the Muon all-to-alls use, in first-use order."""
+        self._ensure_plan()
         seen: dict[tuple[int, ...], ShardGroup] = {}
         for layout in self._plan.layouts:
             if layout.group is not None:
@@ -268,15 +379,22 @@ class Muon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step over all chunks, pipelined (see the module docstring)."""
+        """One optimizer step over all chunks, pipelined (see the module docstring).
+
+        If it raises before the step counters advance (every input check), nothing has
+        changed. If it raises after (out of memory in Newton–Schulz, a failed collective),
+        the counters have advanced, chunks already finished are updated, batches prepared
+        but not finished have their momentum updated and parameters unchanged, and the rest
+        is untouched: restore a checkpoint rather than step again.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._round_done:
+        if self._round is not None:
             raise RuntimeError(
-                f"step() called after step_chunk() stepped {len(self._round_done)} of "
-                f"{len(self.chunks())} chunks; step the remaining chunks first"
+                f"step() called while a step_chunk() round is open ({len(self._round)} of "
+                f"{len(self.chunks())} chunks stepped); step the remaining chunks first"
             )
         self._begin_round()
         in_flight: deque[_Run] = deque()
@@ -296,7 +414,6 @@ class Muon(Optimizer):
             self._advance(in_flight, returning)
         while returning:
             self._finish(returning.popleft())
-        self._round_done.clear()
         return loss
 
     def _advance(self, in_flight: deque[_Run], returning: deque[_Run]) -> None:
@@ -311,37 +428,53 @@ class Muon(Optimizer):
         """Step one chunk (on the current stream); the step counters advance on a round's first chunk.
 
         A round is one pass over :meth:`chunks` in any order; stepping a chunk twice in a
-        round raises, so counters and bias corrections cannot drift.
+        round raises, so counters and bias corrections cannot drift. A chunk whose step
+        raised is not marked done: calling ``step_chunk`` with it again resumes where it
+        failed (its momentum is not updated twice, parameters already updated are not
+        updated again).
         """
         chunks = self.chunks()
-        if not any(chunk is c for c in chunks):
-            raise ValueError("step_chunk got a chunk that is not in this optimizer's chunks()")
-        key = next(i for i, c in enumerate(chunks) if c is chunk)
-        if key in self._round_done:
+        key = next((i for i, c in enumerate(chunks) if c is chunk), None)
+        if key is None:
+            raise ValueError(
+                "step_chunk got a chunk that is not in this optimizer's chunks() (chunks "
+                "are rebuilt when a planned setting changes: call chunks() again)"
+            )
+        if self._round is not None and key in self._round:
             raise RuntimeError(
                 f"chunk {key} was already stepped in this round; step the other "
-                f"{len(chunks) - len(self._round_done)} chunks first"
+                f"{len(chunks) - len(self._round)} chunks first"
             )
-        if not self._round_done:
+        if self._round is None:
             self._begin_round()
-        self._round_done.add(key)
-        if isinstance(chunk, AdamWChunk):
-            self._step_adamw(chunk)
-        else:
-            run = self._prepare(chunk)
-            self._compute(run)
-            self._finish(run)
-        if len(self._round_done) == len(chunks):
-            self._round_done.clear()
+            self._round = set()
+        progress = self._pending.pop(key, None)
+        try:
+            if isinstance(chunk, AdamWChunk):
+                progress = progress or _AdamWProgress()
+                self._step_adamw(chunk, progress)
+            else:
+                progress = progress or self._prepare(chunk)
+                if not progress.computed:
+                    self._compute(progress)
+                self._finish(progress)
+        except BaseException:
+            if progress is not None:
+                self._pending[key] = progress
+            raise
+        self._round.add(key)
+        if len(self._round) == len(chunks):
+            self._round = None
 
     def _begin_round(self) -> None:
         """Checks first (nothing changes if they raise), then the step counters advance."""
+        self._ensure_plan()
         check_grads(self.param_groups)
         if self.check_grads == "always" or (
-            self.check_grads == "first" and not self._grads_checked
+            self.check_grads == "first" and not self._plan_verified
         ):
             self._check_grad_presence()
-            self._grads_checked = True
+            self._plan_verified = True
         for group in self.param_groups:
             group["step"] += 1
         self.last_step_stats = StepStats()
@@ -399,13 +532,28 @@ class Muon(Optimizer):
     def _views(self, index: int, tensor: Tensor) -> Tensor:
         """The ``[N, rows, cols]`` view of Muon parameter ``index``'s local shard (or state).
 
-        A view (never a copy) so in-place updates land in the parameter; grads that are not
-        contiguous are reshaped (copied), which is fine as they are only read.
+        A view when the strides allow one, else a copy: only for tensors that are read
+        (grads, directions); writes go through :meth:`_writable`.
+        """
+        local = _local(tensor)
+        layout: MatrixLayout = self._plan.layouts[index]
+        return local.reshape(layout.num_matrices, layout.local_rows, layout.local_cols)
+
+    def _writable(self, index: int, tensor: Tensor) -> tuple[Tensor, Callable[[], None]]:
+        """``[N, rows, cols]`` matrices of a tensor that is updated in place, and a commit.
+
+        A view when the strides allow (the commit does nothing); otherwise (a channels_last
+        conv weight with ``flatten``, a permuted stack) a contiguous copy whose commit
+        writes it back, so every parameter and momentum is really updated.
         """
         local = _local(tensor)
         layout: MatrixLayout = self._plan.layouts[index]
         shape = (layout.num_matrices, layout.local_rows, layout.local_cols)
-        return local.view(shape) if local.is_contiguous() else local.reshape(shape)
+        try:
+            return local.view(shape), _nothing
+        except RuntimeError:
+            matrices = local.reshape(shape)
+            return matrices, lambda: local.copy_(matrices.view(local.shape))
 
     def _prepare(self, batch: MuonBatch) -> _Run:
         """Phase 1: momentum and directions; the gather starts for exchanged batches."""
@@ -416,16 +564,17 @@ class Muon(Optimizer):
         for seg in segments:
             p = plan.params[seg.param_index]
             group = self.param_groups[plan.group_of[seg.param_index]]
-            momentum = self._views(seg.param_index, self.state[p]["momentum"])
+            momentum, commit = self._writable(seg.param_index, self.state[p]["momentum"])
             grad = self._views(seg.param_index, p.grad)
             direction = momentum_update_(
                 momentum[seg.start : seg.stop],
                 grad[seg.start : seg.stop],
-                float(group["mu"]),
+                _scalar(group["mu"]),
                 bool(group["nesterov"]),
             )
             if not receives:
                 directions.append(direction.to(torch.bfloat16))
+            commit()
         stats = self.last_step_stats
         stats.num_batches += 1
         if receives:
@@ -453,7 +602,11 @@ class Muon(Optimizer):
 
     def _orthogonalize(self, U: Tensor, batch: MuonBatch) -> Tensor:
         """Newton–Schulz on a bf16 ``[N, rows, cols]`` stack, per partition block."""
-        ns = functools.partial(self._newton_schulz, coefficients=self.coefficients, eps=batch.eps)
+        ns = functools.partial(
+            NS_IMPLEMENTATIONS[self.newton_schulz_impl],
+            coefficients=self.coefficients,
+            eps=batch.eps,
+        )
         stats = self.last_step_stats
         stats.matrices_orthogonalized += U.size(0)
         stats.owned_shapes.extend([(U.size(1), U.size(2))] * U.size(0))
@@ -462,38 +615,48 @@ class Muon(Optimizer):
     def _compute(self, run: _Run) -> None:
         """Phase 2: Newton–Schulz (the owner's matrix, or the local stack); return starts."""
         if run.receives_from_replica:
+            run.computed = True
             return
         if run.exchange is None:
             if run.directions is not None:
                 run.result = self._orthogonalize(run.directions, run.batch)
+            run.computed = True
             return
         whole = run.exchange.assemble()
         result = None if whole is None else self._orthogonalize(whole[None], run.batch)[0]
         run.exchange.start_return(result, self._device())
+        run.computed = True
 
     def _finish(self, run: _Run) -> None:
-        """Phase 3: decay and update of this rank's shard (results shared across replicas)."""
+        """Phase 3: decay and update of this rank's shard (results shared across replicas).
+
+        Resumable: the results are fetched once and segments already updated are skipped.
+        """
         plan = self._plan
-        if run.exchange is not None:
-            pieces = run.exchange.finish_return()
-            results = torch.stack(pieces) if pieces else None
-        else:
-            results = run.result
-        if run.batch.replica is not None and run.segments:
-            results = self._share_with_replicas(run, results)
-        offset = 0
-        for seg in run.segments:
+        if run.results is None:
+            if run.exchange is not None:
+                pieces = run.exchange.finish_return()
+                results = torch.stack(pieces) if pieces else None
+            else:
+                results = run.result
+            if run.batch.replica is not None and run.segments:
+                results = self._share_with_replicas(run, results)
+            run.results = results
+        offset = sum(seg.count for seg in run.segments[: run.finished])
+        for seg in run.segments[run.finished :]:
             p = plan.params[seg.param_index]
             group = self.param_groups[plan.group_of[seg.param_index]]
-            view = self._views(seg.param_index, p)[seg.start : seg.stop]
+            matrices, commit = self._writable(seg.param_index, p)
             weight_update_(
-                view,
-                results[offset : offset + seg.count],
-                float(group["lr"]),
-                float(group["weight_decay"]),
+                matrices[seg.start : seg.stop],
+                run.results[offset : offset + seg.count],
+                _scalar(group["lr"]),
+                _scalar(group["weight_decay"]),
                 plan.row_scales[seg.param_index],
             )
+            commit()
             offset += seg.count
+            run.finished += 1
 
     def _share_with_replicas(self, run: _Run, results: Tensor | None) -> Tensor:
         """Broadcast this rank's bf16 results ``[N, r, c]`` from the computing replica."""
@@ -516,20 +679,29 @@ class Muon(Optimizer):
             stats.replica_bytes_sent += nbytes * (replicas.size - 1)
         return buffer
 
-    def _step_adamw(self, chunk: AdamWChunk) -> None:
+    def _step_adamw(self, chunk: AdamWChunk, progress: _AdamWProgress | None = None) -> None:
+        """AdamW on one group; ``progress`` counts the parameters done (for a resumed chunk)."""
         group = self.param_groups[chunk.group_index]
         params = [p for p in group["params"] if p.grad is not None]
+        start = progress.done if progress is not None else 0
+        params = params[start:]
+
+        def done(_: int) -> None:
+            if progress is not None:
+                progress.done += 1
+
         adamw_update_(
             [_local(p) for p in params],
             [_local(p.grad) for p in params],
             [_local(self.state[p]["momentum"]) for p in params],
             [_local(self.state[p]["variance"]) for p in params],
-            lr=float(group["lr"]),
-            beta1=float(group["beta1"]),
-            beta2=float(group["beta2"]),
-            weight_decay=float(group["weight_decay"]),
-            epsilon=float(group["epsilon"]),
+            lr=_scalar(group["lr"]),
+            beta1=_scalar(group["beta1"]),
+            beta2=_scalar(group["beta2"]),
+            weight_decay=_scalar(group["weight_decay"]),
+            epsilon=_scalar(group["epsilon"]),
             step=int(group["step"]),
+            on_param_done=done,
         )
 
     # ----------------------------------------------------- orthogonalize only
@@ -545,6 +717,7 @@ class Muon(Optimizer):
         ``params[i]``'s local shard. Returns the bf16 results, shaped like ``U``. The owner of
         the ``j``-th matrix is ``(first_owner + j) % k``. Collective over the shard group.
         """
+        self._ensure_plan()
         if len(params) != len(U) or not params:
             raise ValueError(
                 f"orthogonalize_chunk needs one direction per parameter, got {len(params)} "
@@ -583,7 +756,7 @@ class Muon(Optimizer):
             segments=segments,
             owners=owners,
             partitions=self._plan.partitions[indices[0]],
-            eps=float(self.param_groups[self._plan.group_of[indices[0]]]["epsilon"]),
+            eps=_scalar(self.param_groups[self._plan.group_of[indices[0]]]["epsilon"]),
         )
         directions = [self._views(i, u.to(torch.bfloat16)) for i, u in zip(indices, U)]
         if layout.exchanged:
@@ -604,30 +777,75 @@ class Muon(Optimizer):
 
     def _batch_signature(self, index: int) -> tuple:
         plan = self._plan
-        eps = float(self.param_groups[plan.group_of[index]]["epsilon"])
+        eps = _scalar(self.param_groups[plan.group_of[index]]["epsilon"])
         return batch_key(plan.layouts[index], plan.params[index].dtype, plan.partitions[index], eps)
 
     # ----------------------------------------------------------- checkpoints
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a shardmuon or dion state dict; missing state is created, DTensor state restored.
+        """Load a shardmuon or dion state dict, all or nothing.
 
-        Both dion forks load: samsja/dion's layout is shardmuon's; microsoft/dion adds the
-        group key ``cautious_wd`` (kept; ``True`` is refused, shardmuon has no cautious weight
-        decay) and a per-parameter AdamW ``step_dev`` (dropped: the group's ``step`` counts).
+        The whole state dict is validated first (group count and sizes, each group's
+        algorithm and settings, every state entry's keys, shapes, dtypes and DTensor
+        placements against its parameter, and that the loaded groups can be planned); a
+        failed load raises naming what is wrong and leaves the optimizer as it was. State
+        missing for a parameter (dion creates it lazily) is created; a full state tensor
+        for a DTensor parameter (a single-process dion checkpoint) is laid out like it.
+        Loaded group settings take effect (the plan is rebuilt if they differ).
+
+        Both dion forks load: samsja/dion's layout is shardmuon's; microsoft/dion's group
+        keys ``split_sizes``/``num_heads`` become partitions, ``cautious_wd=True`` is refused
+        (shardmuon has no cautious weight decay) and its per-parameter AdamW ``step_dev`` is
+        dropped (the group's ``step`` counts).
         """
-        for i, group in enumerate(state_dict.get("param_groups", [])):
-            if group.get("cautious_wd"):
-                raise ValueError(
-                    f"param group {i} of this state dict has cautious_wd=True (microsoft/dion's "
-                    "cautious weight decay), which shardmuon does not implement; resuming would "
-                    "silently change the update"
-                )
+        if self._round is not None:
+            raise RuntimeError(
+                "load_state_dict during a step_chunk round; step the remaining chunks first"
+            )
+        merged = checked_groups(state_dict, self.param_groups, self._make_plan)
         super().load_state_dict(state_dict)
+        for group, full in zip(self.param_groups, merged):
+            for key, value in full.items():
+                group.setdefault(key, value)
         for state in self.state.values():
-            state.pop("step_dev", None)
+            if isinstance(state, dict):
+                for key in DROPPED_KEYS:
+                    state.pop(key, None)
         self._init_state()
-        self._round_done.clear()
+        self._pending.clear()
+        self._plan_settings = None  # replan: the loaded settings rule
+        self._ensure_plan()
+
+    # ----------------------------------------------------------------- copies
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch keeps defaults, state and groups; the optimizer-wide settings come too."""
+        state = super().__getstate__()
+        state["_shardmuon_settings"] = {
+            "update_rms": self.update_rms,
+            "coefficients": self.coefficients,
+            "max_in_flight": self.max_in_flight,
+            "rotate_owners": self.rotate_owners,
+            "split_replicas": self.split_replicas,
+            "check_grads": self.check_grads,
+            "newton_schulz_impl": self.newton_schulz_impl,
+            "_raw_partitions": self._raw_partitions,
+        }
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore settings and rebuild what is derived from them (the plan).
+
+        torch's ``load_state_dict`` also calls this, with only ``state`` and ``param_groups``:
+        then the settings and the plan stay (``load_state_dict`` replans itself).
+        """
+        settings = state.pop("_shardmuon_settings", None)
+        super().__setstate__(state)
+        if settings is None:
+            return
+        self.__dict__.update(settings)
+        self._reset_runtime()
+        self._ensure_plan()
 
 
 def _distribute_like(value: Tensor, param: DTensor) -> DTensor:

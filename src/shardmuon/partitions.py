@@ -18,6 +18,7 @@ from shardmuon.update import lr_scale
 
 __all__ = [
     "check_partitions",
+    "dion_group_partitions",
     "orthogonalize_blocks",
     "row_scales",
 ]
@@ -25,27 +26,80 @@ __all__ = [
 OrthogonalizeFn = Callable[[Tensor], Tensor]
 
 
-def check_partitions(name: str, partitions: Sequence[int], rows: int) -> tuple[int, ...]:
-    """Validate partitions for a parameter with ``rows`` rows on dim -2; return them as a tuple."""
+def check_partitions(
+    name: str, partitions: Sequence[int], rows: int, label: str | None = None
+) -> tuple[int, ...]:
+    """Validate partitions for a parameter with ``rows`` rows on dim -2; return them as a tuple.
+
+    Messages name ``label`` (default ``matrix_partitions[name]``).
+    """
+    label = label or f"matrix_partitions[{name}]"
     if isinstance(partitions, (str, bytes)) or not isinstance(partitions, Sequence):
         raise TypeError(
-            f"matrix_partitions[{name}] must be a sequence of row counts, got "
-            f"{type(partitions).__name__}"
+            f"{label} must be a sequence of row counts, got {type(partitions).__name__}"
         )
     sizes = tuple(partitions)
     if not sizes:
-        raise ValueError(f"matrix_partitions[{name}] is empty; give at least one row count")
+        raise ValueError(f"{label} is empty; give at least one row count")
     for size in sizes:
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(
-                f"matrix_partitions[{name}] must hold positive ints, got {list(sizes)}"
-            )
+            raise ValueError(f"{label} must hold positive ints, got {list(sizes)}")
     if sum(sizes) != rows:
         raise ValueError(
-            f"matrix_partitions[{name}] = {list(sizes)} sums to {sum(sizes)}, but the "
+            f"{label} = {list(sizes)} sums to {sum(sizes)}, but the "
             f"parameter has {rows} rows on dim -2; the sizes must sum to {rows}"
         )
     return sizes
+
+
+def dion_group_partitions(where: str, group: dict, param: Tensor) -> tuple[int, ...] | None:
+    """microsoft/dion's group keys ``split_sizes`` / ``num_heads`` as partitions of ``param``.
+
+    ``split_sizes=(r_1, ...)`` (at least two positive ints) cuts dim 0 of each 2-D parameter
+    of the group into row blocks; ``num_heads=h > 1`` cuts it into ``h`` equal blocks (one per
+    head). Each block is orthogonalized and its lr scaled on its own, which is exactly what
+    ``matrix_partitions`` does, so dion's per-block update carries over. ``num_heads`` of 1 or
+    ``None`` is a no-op (as in dion). Both keys, ``flatten=True`` or a parameter that is not
+    2-D are refused, as dion refuses them.
+    """
+    split_sizes = group.get("split_sizes")
+    num_heads = group.get("num_heads")
+    if num_heads is not None and (
+        isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1
+    ):
+        raise ValueError(f"{where}: num_heads must be a positive int or None, got {num_heads!r}")
+    if num_heads == 1:
+        num_heads = None
+    if split_sizes is None and num_heads is None:
+        return None
+    key = "split_sizes" if split_sizes is not None else "num_heads"
+    if split_sizes is not None and num_heads is not None:
+        raise ValueError(
+            f"{where}: split_sizes and num_heads > 1 are both set; use one (num_heads for equal "
+            "heads, split_sizes for uneven row blocks)"
+        )
+    if group["flatten"]:
+        raise ValueError(f"{where}: {key} needs flatten=False (it splits dim 0 of 2-D weights)")
+    if param.ndim != 2:
+        raise ValueError(
+            f"{where}: {key} applies to 2-D parameters, got shape {tuple(param.shape)}; "
+            "use matrix_partitions for stacks (it splits dim -2)"
+        )
+    rows = param.shape[0]
+    if num_heads is not None:
+        if rows % num_heads:
+            raise ValueError(
+                f"{where}: num_heads={num_heads} does not divide dim 0 of the parameter "
+                f"(shape {tuple(param.shape)})"
+            )
+        return (rows // num_heads,) * num_heads
+    if isinstance(split_sizes, (str, bytes)) or not isinstance(split_sizes, Sequence):
+        raise ValueError(f"{where}: split_sizes must be a list of row counts, got {split_sizes!r}")
+    if len(split_sizes) < 2:
+        raise ValueError(
+            f"{where}: split_sizes must hold at least 2 block sizes, got {list(split_sizes)}"
+        )
+    return check_partitions(where, split_sizes, rows, label=f"{where}: split_sizes")
 
 
 def orthogonalize_blocks(

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from shardmuon.layout import MatrixLayout, MuonBatch, PlanEntry, matrix_layout, plan_batches
-from shardmuon.partitions import check_partitions, row_scales
+from shardmuon.partitions import check_partitions, dion_group_partitions, row_scales
 
-__all__ = ["AdamWChunk", "Plan", "build_plan"]
+__all__ = ["AdamWChunk", "Plan", "build_plan", "plan_settings"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,43 @@ class Plan:
     partitions: list[tuple[int, ...] | None]
     batches: list[MuonBatch]
     adamw: list[AdamWChunk]
+
+
+def plan_settings(
+    param_groups: list[dict],
+    matrix_partitions: dict[Tensor, Sequence[int]],
+    update_rms: float,
+    rotate_owners: bool,
+    split_replicas: bool,
+) -> tuple:
+    """Everything a plan is built from, as a comparable value.
+
+    A plan is valid while this value is unchanged; the optimizer compares it before each
+    round and rebuilds the plan when a group's membership or one of its planned settings
+    (algorithm, adjust_lr, epsilon, flatten, dion's split_sizes/num_heads) changed.
+    """
+    groups = tuple(
+        (
+            group["algorithm"],
+            group["adjust_lr"],
+            _as_float(group["epsilon"]),
+            group["flatten"],
+            _hashable(group.get("split_sizes")),
+            group.get("num_heads"),
+            tuple(map(id, group["params"])),
+        )
+        for group in param_groups
+    )
+    partitions = tuple((id(p), _hashable(sizes)) for p, sizes in matrix_partitions.items())
+    return groups, partitions, float(update_rms), bool(rotate_owners), bool(split_replicas)
+
+
+def _as_float(value) -> float:
+    return float(value.item()) if isinstance(value, Tensor) else float(value)
+
+
+def _hashable(sizes):
+    return tuple(sizes) if isinstance(sizes, (list, tuple)) else sizes
 
 
 def build_plan(
@@ -66,6 +103,14 @@ def build_plan(
         name = f"group {g} param {positions[index]}"
         layout = matrix_layout(name, p, flatten=group["flatten"])
         sizes = partitions_by_id.get(id(p))
+        from_group = dion_group_partitions(f"param group {g}", group, p)
+        if from_group is not None:
+            if sizes is not None and tuple(sizes) != from_group:
+                raise ValueError(
+                    f"{name}: matrix_partitions gives {list(sizes)} but the group's "
+                    f"split_sizes/num_heads give {list(from_group)}; give one"
+                )
+            sizes = from_group
         if sizes is not None:
             if group["flatten"]:
                 raise ValueError(
@@ -86,7 +131,7 @@ def build_plan(
                 update_rms,
             )
         )
-        entries.append(PlanEntry(index, layout, p.dtype, sizes, float(group["epsilon"])))
+        entries.append(PlanEntry(index, layout, p.dtype, sizes, _as_float(group["epsilon"])))
     batches = plan_batches(entries, rotate_owners=rotate_owners, split_replicas=split_replicas)
     adamw = [AdamWChunk(g) for g, grp in enumerate(param_groups) if grp["algorithm"] == "adamw"]
     return Plan(

@@ -34,8 +34,11 @@ def lr_scale(fan_out: int, fan_in: int, adjust_lr: str | None, update_rms: float
 
     ``"rms_norm"``: ``update_rms * sqrt(max(fan_out, fan_in))`` (0.2 gives dion's rms_norm and
     an update RMS like AdamW's); ``"spectral_norm"``: ``sqrt(fan_out / fan_in)``;
-    ``"keller_muon"``: ``sqrt(max(1, fan_out / fan_in))``; ``None``: 1.
+    ``"keller_muon"``: ``sqrt(max(1, fan_out / fan_in))`` (KellerJordan/Muon's scale);
+    ``None``: 1. A matrix with no elements has nothing to scale: 1.
     """
+    if fan_out == 0 or fan_in == 0:
+        return 1.0
     if adjust_lr == "rms_norm":
         return update_rms * math.sqrt(max(fan_out, fan_in))
     if adjust_lr == "spectral_norm":

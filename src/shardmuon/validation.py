@@ -7,27 +7,48 @@ the same message instead of hanging in an all-to-all.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from shardmuon.update import ADJUST_LR_CHOICES
 
-__all__ = ["ALGORITHMS", "check_grads", "check_group", "check_mesh", "check_number"]
+__all__ = [
+    "ALGORITHMS",
+    "check_grads",
+    "check_group",
+    "check_group_settings",
+    "check_mesh",
+    "check_number",
+]
 
 ALGORITHMS = ("muon", "adamw")
 
 
-def check_number(name: str, value: Any, upper: float | None = None) -> None:
-    """``value`` must be a real number ``>= 0`` (and ``< upper`` when given)."""
+def check_number(
+    name: str, value: Any, upper: float | None = None, *, positive: bool = False
+) -> None:
+    """``value`` must be a finite real number ``>= 0`` (``> 0`` if ``positive``; ``< upper``).
+
+    A 1-element tensor counts as its value (torch's tensor lr); a larger tensor is refused.
+    """
     if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} must be a number or a 1-element tensor, got a tensor of shape "
+                f"{tuple(value.shape)}"
+            )
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}")
-    if not value >= 0.0 or (upper is not None and not value < upper):
-        accepted = f"in [0, {upper:g})" if upper is not None else ">= 0"
+    low_ok = value > 0.0 if positive else value >= 0.0
+    if not low_ok or not math.isfinite(value) or (upper is not None and not value < upper):
+        low = "> 0" if positive else ">= 0"
+        accepted = f"in [0, {upper:g})" if upper is not None else f"a finite number {low}"
         raise ValueError(f"{name} must be {accepted}, got {value!r}")
 
 
@@ -39,12 +60,13 @@ def check_adjust_lr(where: str, adjust_lr: Any) -> None:
         )
 
 
-def check_group(index: int, group: dict) -> None:
-    """A param group after defaults are filled in: algorithm, hyper-parameters, shapes."""
+def check_group_settings(index: int, group: dict) -> None:
+    """A group's hyper-parameters (cheap: run before every step, as they are live)."""
     where = f"param group {index}"
     if group["algorithm"] not in ALGORITHMS:
         raise ValueError(
             f"{where}: unknown algorithm {group['algorithm']!r}; accepted: 'muon', 'adamw'"
+            + (" (dion's 'lion' is not implemented)" if group["algorithm"] == "lion" else "")
         )
     check_adjust_lr(f"{where}: ", group["adjust_lr"])
     check_number(f"{where}: lr", group["lr"])
@@ -52,24 +74,52 @@ def check_group(index: int, group: dict) -> None:
     check_number(f"{where}: beta1", group["beta1"], 1.0)
     check_number(f"{where}: beta2", group["beta2"], 1.0)
     check_number(f"{where}: weight_decay", group["weight_decay"])
-    check_number(f"{where}: epsilon", group["epsilon"])
-    if group["algorithm"] == "muon":
-        for i, p in enumerate(group["params"]):
-            if p.ndim < 2:
-                raise ValueError(
-                    f"{where} (algorithm 'muon'): parameter {i} has shape {tuple(p.shape)}; "
-                    "Muon needs matrices (2-D or more); put 0-D/1-D parameters in an "
-                    "'adamw' group"
-                )
+    check_number(f"{where}: epsilon", group["epsilon"], positive=True)
+    for key in ("nesterov", "flatten"):
+        if not isinstance(group[key], bool):
+            raise TypeError(f"{where}: {key} must be True or False, got {group[key]!r}")
+    if group.get("cautious_wd"):
+        raise ValueError(
+            f"{where} has cautious_wd=True (microsoft/dion's cautious weight decay), which "
+            "shardmuon does not implement; stepping would silently change the update"
+        )
+    step = group.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{where}: step must be an int >= 0, got {step!r}")
 
 
-def check_mesh(mesh: Any) -> None:
-    """``distributed_mesh`` is accepted for drop-in use with dion, and only type-checked."""
+def check_group(index: int, group: dict) -> None:
+    """A param group after defaults are filled in: settings, then each parameter."""
+    check_group_settings(index, group)
+    where = f"param group {index}"
+    seen: set[int] = set()
+    for i, p in enumerate(group["params"]):
+        if id(p) in seen:
+            raise ValueError(
+                f"{where}: parameter {i} (shape {tuple(p.shape)}) is listed twice; each "
+                "parameter may appear once"
+            )
+        seen.add(id(p))
+        if p.is_complex() or not p.is_floating_point():
+            raise TypeError(
+                f"{where}: parameter {i} has dtype {p.dtype}; shardmuon steps real "
+                "floating-point parameters only (as torch.optim.Muon, complex ones are refused)"
+            )
+        if group["algorithm"] == "muon" and p.ndim < 2:
+            raise ValueError(
+                f"{where} (algorithm 'muon'): parameter {i} has shape {tuple(p.shape)}; "
+                "Muon needs matrices (2-D or more); put 0-D/1-D parameters in an "
+                "'adamw' group"
+            )
+
+
+def check_mesh(mesh: Any, name: str = "distributed_mesh") -> None:
+    """dion's mesh arguments are accepted for drop-in use, and only type-checked."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if mesh is not None and not isinstance(mesh, (DeviceMesh, dist.ProcessGroup)):
         raise TypeError(
-            f"distributed_mesh must be None, a DeviceMesh or a ProcessGroup, got "
+            f"{name} must be None, a DeviceMesh or a ProcessGroup, got "
             f"{type(mesh).__name__}; shardmuon reads the distribution from the parameters"
         )
 
@@ -82,6 +132,11 @@ def check_grads(param_groups: list[dict]) -> None:
             if grad is None:
                 continue
             where = f"param group {g} parameter {i} (shape {tuple(p.shape)})"
+            if grad.layout != torch.strided:
+                raise TypeError(
+                    f"{where} has a sparse grad (layout {grad.layout}); shardmuon needs dense "
+                    "grads (use nn.Embedding(sparse=False))"
+                )
             if isinstance(p, DTensor) != isinstance(grad, DTensor):
                 kind = "a DTensor" if isinstance(p, DTensor) else "a plain tensor"
                 grad_kind = "a DTensor" if isinstance(grad, DTensor) else "a plain tensor"
