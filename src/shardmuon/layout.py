@@ -176,6 +176,13 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
     Raises ``NotImplementedError`` for two matrix-dim shards or a strided shard on a matrix
     dim, and ``ValueError`` for ``Partial`` placements on a parameter.
     """
+    if isinstance(param, DTensor) and param.device_mesh.get_coordinate() is None:
+        mesh = param.device_mesh
+        raise ValueError(
+            f"parameter {_describe(name, param)} lives on a device mesh of ranks "
+            f"{mesh.mesh.flatten().tolist()} that does not include this rank "
+            f"({dist.get_rank()}); give the optimizer only the parameters this rank holds"
+        )
     rows, cols = _global_matrix(param.shape, flatten)
     local = param.to_local() if isinstance(param, DTensor) else param
     num, local_rows, local_cols = _local_view_shape(local.shape, flatten)

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +37,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from shardmuon.adamw import adamw_update_
+from shardmuon.agreement import AgreementSettings, agreement_groups, check_agreement
 from shardmuon.exchange import BatchExchange, warmup_groups
 from shardmuon.layout import (
     MatrixLayout,
@@ -364,8 +364,9 @@ class Muon(Optimizer):
         return list(seen.values())
 
     def warmup(self) -> None:
-        """Run a tiny all-to-all on every group Muon will use (read from the parameters)."""
-        groups = self.shard_groups()
+        """Run a tiny all-to-all on every group Muon uses: shard and replicate dims."""
+        self._ensure_plan()
+        groups = agreement_groups(self._plan.batches)
         if groups:
             warmup_groups(groups, self._device())
 
@@ -427,8 +428,11 @@ class Muon(Optimizer):
     def step_chunk(self, chunk: Chunk) -> None:
         """Step one chunk (on the current stream); the step counters advance on a round's first chunk.
 
-        A round is one pass over :meth:`chunks` in any order; stepping a chunk twice in a
-        round raises, so counters and bias corrections cannot drift. A chunk whose step
+        A round is one pass over :meth:`chunks`; stepping a chunk twice in a round raises, so
+        counters and bias corrections cannot drift. Chunks that communicate (exchanged
+        batches, batches shared across replicas) must be stepped in the order of
+        :meth:`chunks` — any other order raises before a collective, since every rank must
+        pair the same all-to-alls; local batches and AdamW chunks may go in any order. A chunk whose step
         raised is not marked done: calling ``step_chunk`` with it again resumes where it
         failed (its momentum is not updated twice, parameters already updated are not
         updated again).
@@ -445,6 +449,17 @@ class Muon(Optimizer):
                 f"chunk {key} was already stepped in this round; step the other "
                 f"{len(chunks) - len(self._round)} chunks first"
             )
+        if _communicates(chunk):
+            done = self._round or set()
+            earlier = [i for i, c in enumerate(chunks[:key]) if _communicates(c) and i not in done]
+            if earlier:
+                raise RuntimeError(
+                    f"step_chunk: chunk {key} exchanges data with other ranks, and so does "
+                    f"chunk {earlier[0]}, not yet stepped in this round; chunks that "
+                    "communicate must be stepped in the order of chunks() (the same on every "
+                    "rank, so the collectives pair up); local and AdamW chunks may go in any "
+                    "order"
+                )
         if self._round is None:
             self._begin_round()
             self._round = set()
@@ -473,61 +488,33 @@ class Muon(Optimizer):
         if self.check_grads == "always" or (
             self.check_grads == "first" and not self._plan_verified
         ):
-            self._check_grad_presence()
+            self._check_agreement()
             self._plan_verified = True
         for group in self.param_groups:
             group["step"] += 1
         self.last_step_stats = StepStats()
 
-    def _check_grad_presence(self) -> None:
-        """Per shard group: the same plan everywhere, and grads on all ranks or on none.
-
-        One all-reduce of a plan signature, then one of grad-presence flags, per group; a
-        mismatch raises on every rank of the group instead of hanging in an all-to-all.
-        """
+    def _check_agreement(self) -> None:
+        """Every group's ranks agree on batches, settings and grads (see ``agreement.py``)."""
         plan = self._plan
-        for group in self.shard_groups():
-            self._check_same_plan(group)
-            members = [
-                i
-                for i, layout in enumerate(plan.layouts)
-                if layout.group is not None and layout.group.ranks == group.ranks
-            ]
-            flags = torch.tensor(
-                [int(plan.params[i].grad is not None) for i in members],
-                dtype=torch.int32,
-                device=self._device(),
-            )
-            dist.all_reduce(flags, group=group.process_group)
-            bad = [members[j] for j, count in enumerate(flags.tolist()) if 0 < count < group.size]
-            if bad:
-                shapes = [tuple(plan.params[i].shape) for i in bad]
-                raise ValueError(
-                    f"Muon parameters with shapes {shapes} have a grad on some ranks of the "
-                    f"group {list(group.ranks)} and none on others; a sharded parameter's grad "
-                    "must exist on all ranks of its group or on none (FSDP2 guarantees this: "
-                    "check for parameters used on some ranks only)"
-                )
-
-    def _check_same_plan(self, group: ShardGroup) -> None:
-        """Raise on every rank of ``group`` if its ranks planned different batches."""
-        batches = [b for b in self._plan.batches if b.layout.group is not None]
-        batches = [b for b in batches if b.layout.group.ranks == group.ranks]
-        described = [
-            (b.layout.rows, b.layout.cols, b.layout.shard_axis, b.num_matrices, b.owners)
-            for b in batches
-        ]
-        signature = zlib.crc32(repr(described).encode())
-        total = torch.tensor([signature], dtype=torch.int64, device=self._device())
-        dist.all_reduce(total, group=group.process_group)
-        if total.item() != signature * group.size:
-            shapes = sorted({(rows, cols) for rows, cols, *_ in described})
-            raise ValueError(
-                f"the ranks of shard group {list(group.ranks)} planned different Muon batches "
-                f"(this rank: {len(batches)} batches of matrix shapes {shapes}); every rank "
-                "of a group must hold the same parameters, in the same order, with the same "
-                "global shapes and placements"
-            )
+        settings = AgreementSettings(
+            update_rms=self.update_rms,
+            coefficients=tuple(map(tuple, self.coefficients)),
+            newton_schulz_impl=self.newton_schulz_impl,
+            max_in_flight=self.max_in_flight,
+            split_replicas=self.split_replicas,
+            rotate_owners=self.rotate_owners,
+            check_grads=self.check_grads,
+        )
+        check_agreement(
+            agreement_groups(plan.batches),
+            plan.batches,
+            plan.params,
+            plan.group_of,
+            self.param_groups,
+            settings,
+            self._device(),
+        )
 
     def _views(self, index: int, tensor: Tensor) -> Tensor:
         """The ``[N, rows, cols]`` view of Muon parameter ``index``'s local shard (or state).
@@ -803,7 +790,13 @@ class Muon(Optimizer):
                 "load_state_dict during a step_chunk round; step the remaining chunks first"
             )
         merged = checked_groups(state_dict, self.param_groups, self._make_plan)
-        super().load_state_dict(state_dict)
+        # torch runs the post-hooks at the end of its load; they must see the finished load.
+        post_hooks = self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_post_hooks = post_hooks
         for group, full in zip(self.param_groups, merged):
             for key, value in full.items():
                 group.setdefault(key, value)
@@ -815,6 +808,8 @@ class Muon(Optimizer):
         self._pending.clear()
         self._plan_settings = None  # replan: the loaded settings rule
         self._ensure_plan()
+        for hook in post_hooks.values():
+            hook(self)
 
     # ----------------------------------------------------------------- copies
 
@@ -858,6 +853,11 @@ def _distribute_like(value: Tensor, param: DTensor) -> DTensor:
     return distribute_tensor(
         value.to(_local(param).device), param.device_mesh, param.placements, src_data_rank=None
     )
+
+
+def _communicates(chunk: Chunk) -> bool:
+    """Whether stepping ``chunk`` runs a collective (an all-to-all or a replica broadcast)."""
+    return isinstance(chunk, MuonBatch) and (chunk.layout.exchanged or chunk.replica is not None)
 
 
 def _receives_from_replica(batch: MuonBatch) -> bool:

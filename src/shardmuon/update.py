@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 __all__ = ["ADJUST_LR_CHOICES", "lr_scale", "momentum_update_", "weight_update_"]
@@ -60,15 +61,23 @@ def weight_update_(
     weight_decay: float,
     row_scales: list[tuple[int, int, float]],
 ) -> None:
-    """``X *= 1 - lr*wd`` then ``X -= lr*scale*O`` in the param's dtype, in place.
+    """``X *= 1 - lr*wd`` then ``X -= lr*scale*O``, in place, bits independent of the shard.
 
     ``param``: ``[B, rows, cols]`` (a view of the local shard); ``ortho``: the bf16 Newton–Schulz
     output of the same shape. ``row_scales`` lists ``(row_start, row_end, scale)`` ranges of
     the local rows (one range unless the matrix is partitioned). ``lr*scale*O`` is formed in
-    the param's dtype (fp32), never rounded to bf16 before the subtraction.
+    fp32 by one multiply and added by one add (a bf16 parameter is updated in fp32 and
+    rounded once): each is a single correctly rounded operation per element, so the result
+    does not depend on how long the local tensor is (a fused ``add_(alpha=)`` may take a
+    vector path with an FMA on one length and a scalar path on another).
     """
     if weight_decay != 0.0:
         param.mul_(1.0 - lr * weight_decay)
     for start, end, scale in row_scales:
         if end > start:
-            param[..., start:end, :].add_(ortho[..., start:end, :], alpha=-lr * scale)
+            rows = param[..., start:end, :]
+            step = ortho[..., start:end, :].to(torch.float32).mul_(-lr * scale)
+            if rows.dtype == torch.float32:
+                rows.add_(step)
+            else:
+                rows.copy_(rows.to(torch.float32).add_(step))

@@ -1,0 +1,257 @@
+"""Ranks that disagree: each case makes the ranks of a gloo world inconsistent on purpose.
+
+Every case expects a clear error on every rank that shares the inconsistency (no abort, no
+hang: the harness's collective timeout turns a hang into a failure), no all-to-all before
+it, and nothing changed (parameters, momentum, step counters). Kept apart from
+``dist_cases`` (own registry, own worlds) so that a regression here cannot take the layout
+cases down with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from dist_cases import counting_all_reduce, expect_raises
+from dist_checks import (
+    S0,
+    Context,
+    R,
+    Spec,
+    counting_all_to_all,
+    fail_on,
+    full,
+    local,
+    make_context,
+    make_optimizer,
+    place,
+    random_tensors,
+)
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import distribute_tensor
+
+from shardmuon import Muon
+
+__all__ = ["CASES", "make_context"]
+
+CASES: dict[str, Callable[[Context], None]] = {}
+WORLDS: dict[str, tuple[int, ...]] = {}
+DISAGREE = "disagree on the Muon step"
+GRADS_DISAGREE = "disagree on which Muon parameters have a grad"
+
+
+def case(name: str, worlds: tuple[int, ...] = (2, 3)):
+    def register(fn):
+        CASES[name] = fn
+        WORLDS[name] = worlds
+        return fn
+
+    return register
+
+
+def cases_for(world_size: int) -> list[str]:
+    return [name for name, worlds in WORLDS.items() if world_size in worlds]
+
+
+def _build(ctx: Context, specs: list[Spec], seed: int = 0, **kwargs):
+    init = random_tensors([s.shape for s in specs], seed)
+    params = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
+    return params, make_optimizer(params, specs, **kwargs)
+
+
+def _grads(ctx: Context, params, specs: list[Spec], skip: set[int] = frozenset()) -> None:
+    for i, (p, s) in enumerate(zip(params, specs)):
+        p.grad = None if i in skip else place(ctx, s, torch.ones(s.shape) * (i + 1))
+
+
+def _expect_refused(ctx: Context, opt: Muon, params, fragments: list[str]) -> list[str]:
+    """``opt.step()`` raises ValueError with ``fragments`` before any all-to-all; no change.
+
+    Compares local shards (no collective: ranks that disagree on placements must not be
+    asked to all-gather together).
+    """
+    before = [local(p).clone() for p in params]
+    momenta = [local(opt.state[p]["momentum"]).clone() for p in params]
+    steps = [g["step"] for g in opt.param_groups]
+    with counting_all_to_all() as calls:
+        problems = expect_raises(ValueError, fragments, opt.step)
+    if calls:
+        problems.append(f"{len(calls)} all-to-alls ran before the error")
+    if any(not torch.equal(local(p), b) for p, b in zip(params, before)):
+        problems.append("parameters changed by a refused step")
+    if any(not torch.equal(local(opt.state[p]["momentum"]), m) for p, m in zip(params, momenta)):
+        problems.append("momentum changed by a refused step")
+    if [g["step"] for g in opt.param_groups] != steps:
+        problems.append("step counters advanced by a refused step")
+    return problems
+
+
+def _last(ctx: Context) -> bool:
+    return ctx.rank == ctx.world_size - 1
+
+
+@case("replicated_split_extra_weight")
+def _replicated_extra(ctx: Context) -> None:
+    specs = [Spec((8, 6), (R,))] * 2 + [Spec((6, 6), (R,))] * _last(ctx)
+    params, opt = _build(ctx, specs, split_replicas=True)
+    _grads(ctx, params, specs)
+    fail_on(_expect_refused(ctx, opt, params, [DISAGREE]))
+
+
+@case("replicated_split_different_shapes")
+def _replicated_shapes(ctx: Context) -> None:
+    specs = [Spec((8, 6), (R,)), Spec((7, 6) if _last(ctx) else (6, 6), (R,))]
+    params, opt = _build(ctx, specs, split_replicas=True)
+    _grads(ctx, params, specs)
+    fail_on(_expect_refused(ctx, opt, params, [DISAGREE]))
+
+
+@case("replicated_split_grad_missing_on_one_rank")
+def _replicated_grad(ctx: Context) -> None:
+    specs = [Spec((8, 6), (R,))] * 3
+    params, opt = _build(ctx, specs, split_replicas=True)
+    _grads(ctx, params, specs, skip={1} if ctx.rank == 0 else set())
+    fail_on(_expect_refused(ctx, opt, params, [GRADS_DISAGREE]))
+
+
+@case("hsdp_split_grads_on_one_replica_only", (4,))
+def _hsdp_one_replica(ctx: Context) -> None:
+    specs = [Spec((8, 6), (R, S0), "2d")] * 2
+    params, opt = _build(ctx, specs, split_replicas=True)
+    first_replica = ctx.rank < 2
+    _grads(ctx, params, specs, skip=set() if first_replica else {0, 1})
+    fail_on(_expect_refused(ctx, opt, params, [GRADS_DISAGREE]))
+
+
+def _setting_case(name: str, **per_rank) -> None:
+    """The last rank builds its optimizer with ``per_rank`` settings, the others default."""
+
+    @case(name)
+    def run(ctx: Context) -> None:
+        specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,))]
+        kwargs = per_rank if _last(ctx) else {}
+        params, opt = _build(ctx, specs, **kwargs)
+        _grads(ctx, params, specs)
+        fail_on(_expect_refused(ctx, opt, params, [DISAGREE]))
+
+
+_setting_case("per_rank_lr", lr=0.02)
+_setting_case("per_rank_epsilon", epsilon=1e-7)
+_setting_case("per_rank_weight_decay", weight_decay=0.1)
+_setting_case("per_rank_nesterov", nesterov=True)
+_setting_case("per_rank_adjust_lr", adjust_lr="rms_norm")
+_setting_case("per_rank_update_rms", adjust_lr="rms_norm", update_rms=0.3)
+_setting_case("per_rank_max_in_flight", max_in_flight=1)
+_setting_case("per_rank_coefficients", newton_schulz_coefficients="keller")
+_setting_case("per_rank_check_grads", check_grads="always")
+
+
+@case("per_rank_matrix_partitions")
+def _per_rank_partitions(ctx: Context) -> None:
+    specs = [Spec((8, 6), (S0,), partitions=(4, 4) if _last(ctx) else None)]
+    params, opt = _build(ctx, specs)
+    _grads(ctx, params, specs)
+    fail_on(_expect_refused(ctx, opt, params, [DISAGREE]))
+
+
+@case("replicate_on_one_rank_shard_on_others")
+def _replicate_vs_shard(ctx: Context) -> None:
+    specs = [Spec((8, 6), (R,) if ctx.rank == 0 else (S0,))]
+    params, opt = _build(ctx, specs)
+    _grads(ctx, params, specs)
+    fail_on(_expect_refused(ctx, opt, params, [DISAGREE]))
+
+
+@case("add_param_group_differs_after_step_1")
+def _add_group_later(ctx: Context) -> None:
+    specs = [Spec((8, 6), (S0,))]
+    params, opt = _build(ctx, specs)
+    _grads(ctx, params, specs)
+    opt.step()
+    extra_spec = Spec((9, 6) if _last(ctx) else (5, 6), (S0,))
+    extra = nn.Parameter(place(ctx, extra_spec, torch.zeros(extra_spec.shape)))
+    opt.add_param_group({"params": [extra], "algorithm": "muon"})
+    _grads(ctx, [*params, extra], [*specs, extra_spec])
+    fail_on(_expect_refused(ctx, opt, [*params, extra], [DISAGREE]))
+
+
+@case("grad_missing_after_step_1_with_check_always")
+def _grad_later(ctx: Context) -> None:
+    specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,))]
+    params, opt = _build(ctx, specs, check_grads="always")
+    _grads(ctx, params, specs)
+    opt.step()
+    _grads(ctx, params, specs, skip={1} if ctx.rank == 0 else set())
+    fail_on(_expect_refused(ctx, opt, params, [GRADS_DISAGREE]))
+
+
+@case("check_cost_one_all_reduce_per_group_then_none")
+def _check_cost(ctx: Context) -> None:
+    """First step: one 4-element all-reduce per group; later steps (default): none."""
+    specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,))]
+    params, opt = _build(ctx, specs)
+    _grads(ctx, params, specs)
+    with counting_all_reduce() as first:
+        opt.step()
+    with counting_all_reduce() as second:
+        opt.step()
+    problems = []
+    if first != [4]:
+        problems.append(f"first step all-reduces {first}, expected one of 4 elements")
+    if second:
+        problems.append(f"second step ran all-reduces {second}, expected none")
+    fail_on(problems)
+
+
+@case("step_chunk_out_of_order_raises_before_any_collective")
+def _chunk_order(ctx: Context) -> None:
+    specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,)), Spec((12, 6), (S0,))]
+    params, opt = _build(ctx, specs)
+    reference_params, reference = _build(ctx, specs)
+    _grads(ctx, params, specs)
+    _grads(ctx, reference_params, specs)
+    chunks = opt.chunks()
+    problems = []
+    if ctx.rank == 0:  # only rank 0 tries the wrong order; it must refuse locally
+        with counting_all_to_all() as calls:
+            problems += expect_raises(
+                RuntimeError,
+                ["must be stepped in the order of chunks()"],
+                lambda: opt.step_chunk(chunks[-1]),
+            )
+        if calls:
+            problems.append(f"{len(calls)} all-to-alls ran before the error")
+    for chunk in chunks:  # then every rank steps in order: the collectives pair up
+        opt.step_chunk(chunk)
+    reference.step()
+    if any(not torch.equal(full(p), full(q)) for p, q in zip(params, reference_params)):
+        problems.append("chunked round after the refused call differs from step()")
+    fail_on(problems)
+
+
+@case("param_on_a_sub_mesh_without_this_rank", (3,))
+def _sub_mesh(ctx: Context) -> None:
+    sub = DeviceMesh("cpu", torch.tensor([0, 1]))
+    weight = nn.Parameter(distribute_tensor(torch.zeros(4, 4), sub, [S0], src_data_rank=None))
+    problems = []
+    if ctx.rank == 2:
+        problems += expect_raises(
+            ValueError,
+            ["does not include this rank (2)", "group 0 param 0"],
+            lambda: Muon([{"params": [weight], "algorithm": "muon"}]),
+        )
+    dist.barrier()
+    fail_on(problems)
+
+
+@case("warmup_covers_replicate_groups", (4,))
+def _warmup(ctx: Context) -> None:
+    specs = [Spec((8, 6), (R, S0), "2d")]
+    _, opt = _build(ctx, specs)
+    with counting_all_to_all() as calls:
+        opt.warmup()
+    groups = sorted({c.ranks for c in calls})
+    mine = [g for g in ((0, 1), (2, 3), (0, 2), (1, 3)) if ctx.rank in g]
+    fail_on([] if groups == sorted(mine) else [f"warmup ran on {groups}, expected {mine}"])
