@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dist_cases import counting_all_reduce, expect_raises
 from dist_checks import (
     S0,
+    S1,
     Context,
     R,
     Spec,
@@ -255,3 +256,56 @@ def _warmup(ctx: Context) -> None:
     groups = sorted({c.ranks for c in calls})
     mine = [g for g in ((0, 1), (2, 3), (0, 2), (1, 3)) if ctx.rank in g]
     fail_on([] if groups == sorted(mine) else [f"warmup ran on {groups}, expected {mine}"])
+
+
+# ------------------------------------------------------------- bitwise claims
+
+
+def _distributed_vs_single(ctx: Context, shape, placements, dtype, count: int = 3):
+    """Two steps of the same Muon on DTensors and on plain tensors; the full results."""
+    init = [t.to(dtype) for t in random_tensors([shape] * count, 11)]
+    grads = [t.to(dtype) for t in random_tensors([shape] * count, 12)]
+    spec = Spec(shape, placements)
+    sharded = [nn.Parameter(place(ctx, spec, t)) for t in init]
+    plain = [nn.Parameter(t.clone()) for t in init]
+    opts = [Muon(sharded, lr=0.02, weight_decay=0.1), Muon(plain, lr=0.02, weight_decay=0.1)]
+    for _ in range(2):
+        for p, g in zip(sharded, grads):
+            p.grad = place(ctx, spec, g)
+        for p, g in zip(plain, grads):
+            p.grad = g.clone()
+        for opt in opts:
+            opt.step()
+    return [full(p) for p in sharded], [p.detach() for p in plain], init
+
+
+@case("bitwise_bf16_weights_shard1", (3,))
+def _bitwise_bf16(ctx: Context) -> None:
+    """bf16 (5, 16) weights sharded on dim 1 over 3 ranks (local lengths 6, 6, 4)."""
+    sharded, plain, _ = _distributed_vs_single(ctx, (5, 16), (S1,), torch.bfloat16)
+    differ = [i for i, (a, b) in enumerate(zip(sharded, plain)) if not torch.equal(a, b)]
+    fail_on([f"bf16 params {differ} differ from one process"] if differ else [])
+
+
+# With more than one thread per rank a matrix computed alone (``mm`` on its owner) and inside
+# a stack (``bmm`` in one process) may round differently: not bitwise, but within bf16 noise.
+TWO_THREADS_UPDATE_RTOL = 0.02
+
+
+@case("two_threads_per_rank_within_bf16_noise", (2,))
+def _two_threads(ctx: Context) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sharded, plain, init = _distributed_vs_single(ctx, (96, 1024), (S0,), torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    problems = []
+    for i, (a, b, x0) in enumerate(zip(sharded, plain, init)):
+        update = (b - x0).norm()
+        distance = (a - b).norm() / update
+        if distance > TWO_THREADS_UPDATE_RTOL:
+            problems.append(
+                f"param {i}: update differs by {distance:.4f} (> {TWO_THREADS_UPDATE_RTOL})"
+            )
+    fail_on(problems)
