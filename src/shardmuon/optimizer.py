@@ -51,7 +51,7 @@ from shardmuon.partitions import orthogonalize_blocks
 from shardmuon.plan import AdamWChunk, Plan, build_plan, plan_settings
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.telemetry import StepStats
-from shardmuon.update import momentum_update_, weight_update_
+from shardmuon.update import direction, momentum_update_, weight_update_
 from shardmuon.validation import (
     check_adjust_lr,
     check_grads,
@@ -80,6 +80,8 @@ class _Run:
     exchange: BatchExchange | None = None
     result: Tensor | list[Tensor] | None = None
     receives_from_replica: bool = False
+    momentum_done: int = 0
+    prepared: bool = False
     computed: bool = False
     results: Tensor | None = None
     finished: int = 0
@@ -402,7 +404,7 @@ class Muon(Optimizer):
         returning: deque[_Run] = deque()
         adamw_pending = list(self._plan.adamw)
         for batch in self._plan.batches:
-            in_flight.append(self._prepare(batch))
+            in_flight.append(self._prepare(self._new_run(batch)))
             if len(in_flight) >= self.max_in_flight:
                 if adamw_pending:
                     for chunk in adamw_pending:
@@ -469,7 +471,9 @@ class Muon(Optimizer):
                 progress = progress or _AdamWProgress()
                 self._step_adamw(chunk, progress)
             else:
-                progress = progress or self._prepare(chunk)
+                progress = progress or self._new_run(chunk)
+                if not progress.prepared:
+                    self._prepare(progress)
                 if not progress.computed:
                     self._compute(progress)
                 self._finish(progress)
@@ -542,45 +546,70 @@ class Muon(Optimizer):
             matrices = local.reshape(shape)
             return matrices, lambda: local.copy_(matrices.view(local.shape))
 
-    def _prepare(self, batch: MuonBatch) -> _Run:
-        """Phase 1: momentum and directions; the gather starts for exchanged batches."""
+    def _new_run(self, batch: MuonBatch) -> _Run:
+        """A batch about to be prepared: the segments that have grads on this rank."""
         plan = self._plan
         segments = [s for s in batch.segments if plan.params[s.param_index].grad is not None]
-        receives = _receives_from_replica(batch)
-        directions = []
-        for seg in segments:
+        return _Run(batch, segments, None, receives_from_replica=_receives_from_replica(batch))
+
+    def _prepare(self, run: _Run) -> _Run:
+        """Phase 1: momentum and directions; the gather starts for exchanged batches.
+
+        Resumable: ``run.momentum_done`` counts the segments whose momentum is updated; a
+        retry recomputes their directions from the momentum instead of updating it again.
+        """
+        plan = self._plan
+        batch = run.batch
+        for seg in run.segments[run.momentum_done :]:
             p = plan.params[seg.param_index]
             group = self.param_groups[plan.group_of[seg.param_index]]
             momentum, commit = self._writable(seg.param_index, self.state[p]["momentum"])
             grad = self._views(seg.param_index, p.grad)
-            direction = momentum_update_(
+            momentum_update_(
                 momentum[seg.start : seg.stop],
                 grad[seg.start : seg.stop],
                 _scalar(group["mu"]),
-                bool(group["nesterov"]),
+                False,
             )
-            if not receives:
-                directions.append(direction.to(torch.bfloat16))
             commit()
+            run.momentum_done += 1
         stats = self.last_step_stats
         stats.num_batches += 1
-        if receives:
-            return _Run(batch, segments, None, receives_from_replica=True)
+        if run.receives_from_replica:
+            run.prepared = True
+            return run
+        directions = []
+        for seg in run.segments:
+            p = plan.params[seg.param_index]
+            group = self.param_groups[plan.group_of[seg.param_index]]
+            momentum = self._views(seg.param_index, self.state[p]["momentum"])
+            grad = self._views(seg.param_index, p.grad)
+            directions.append(
+                direction(
+                    momentum[seg.start : seg.stop],
+                    grad[seg.start : seg.stop],
+                    _scalar(group["mu"]),
+                    bool(group["nesterov"]),
+                ).to(torch.bfloat16)
+            )
         if not batch.layout.exchanged:
-            stacked = (
+            run.directions = (
                 None
                 if not directions
                 else directions[0]
                 if len(directions) == 1
                 else torch.cat(directions)
             )
-            return _Run(batch, segments, stacked)
+            run.prepared = True
+            return run
         pieces = [d for block in directions for d in block.unbind(0)]
-        owners = self._active_owners(batch, segments)
+        owners = self._active_owners(batch, run.segments)
         exchange = BatchExchange(batch.layout, owners, stats)
         exchange.start_gather(pieces, self._device())
         stats.bytes_minimum += exchange.minimum_bytes()
-        return _Run(batch, segments, pieces, exchange)
+        run.directions, run.exchange = pieces, exchange
+        run.prepared = True
+        return run
 
     def _active_owners(self, batch: MuonBatch, segments: list[Segment]) -> tuple[int, ...]:
         active = {(s.param_index, i) for s in segments for i in range(s.start, s.stop)}

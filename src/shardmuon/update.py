@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["ADJUST_LR_CHOICES", "lr_scale", "momentum_update_", "weight_update_"]
+__all__ = ["ADJUST_LR_CHOICES", "direction", "lr_scale", "momentum_update_", "weight_update_"]
 
 ADJUST_LR_CHOICES = ("rms_norm", "spectral_norm", "keller_muon", None)
 
@@ -23,10 +23,17 @@ def momentum_update_(momentum: Tensor, grad: Tensor, mu: float, nesterov: bool) 
     Returns ``mu*M + G`` (a new tensor) with Nesterov, else ``M`` itself. Shapes match;
     the grad is cast to the momentum dtype first (as dion does).
     """
+    # Cast first: after the in-place ops start, nothing may allocate (a failure there would
+    # leave M half-updated, and a resumed step would update it again).
     grad = grad.to(momentum.dtype)
     momentum.mul_(mu).add_(grad)
+    return direction(momentum, grad, mu, nesterov)
+
+
+def direction(momentum: Tensor, grad: Tensor, mu: float, nesterov: bool) -> Tensor:
+    """The direction from an already updated momentum: ``mu*M + G`` (Nesterov) or ``M``."""
     if nesterov:
-        return momentum.mul(mu).add_(grad)
+        return momentum.mul(mu).add_(grad.to(momentum.dtype))
     return momentum
 
 
