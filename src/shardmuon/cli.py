@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from shardmuon.bench import SUBCOMMANDS
+from shardmuon.cli_support import HelpFormatter
 
 __all__ = ["build_parser", "main"]
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardmuon",
         description="Muon for PyTorch that distributes its work from DTensor placements.",
+        formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="{bench,train}")
     add_bench(sub)
@@ -44,10 +45,14 @@ def _add_train(subparsers) -> None:
 
 
 def _default_bench_command(argv: list[str]) -> list[str]:
-    """``shardmuon bench [options]`` means ``shardmuon bench step [options]``."""
+    """``shardmuon bench [options]`` means ``shardmuon bench step [options]``.
+
+    Only options (or nothing) after ``bench`` select ``step``: a bare word that is not a
+    sub-command (``bench stpe``) is left for argparse, which lists the sub-commands.
+    """
     if argv and argv[0] == "bench":
         rest = argv[1:]
-        if not rest or (rest[0] not in SUBCOMMANDS and rest[0] not in ("-h", "--help")):
+        if not rest or (rest[0].startswith("-") and rest[0] not in ("-h", "--help")):
             return ["bench", "step", *rest]
     return argv
 

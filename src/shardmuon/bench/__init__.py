@@ -11,11 +11,13 @@ SUBCOMMANDS = ("step", "ns", "ab")
 def add_parser(subparsers) -> None:
     """Register ``bench`` and its sub-commands on ``subparsers`` (argparse sub-parsers)."""
     from shardmuon.bench import ab, ns, step
+    from shardmuon.cli_support import HelpFormatter
 
     bench = subparsers.add_parser(
         "bench",
         help="benchmarks: step (default), ns, ab",
-        description="Benchmarks. With no sub-command, runs `step`.",
+        description="Benchmarks. With only options (or nothing), runs `step`.",
+        formatter_class=HelpFormatter,
     )
     sub = bench.add_subparsers(dest="bench_command", metavar="{step,ns,ab}")
     step.add_parser(sub)

@@ -28,6 +28,7 @@ from shardmuon.bench.report import (
     set_threads,
     write_json,
 )
+from shardmuon.cli_support import HelpFormatter, add_hidden_alias, check_outputs, note_written
 from shardmuon.models import MODEL_PRESETS, attention_dims, build_model
 from shardmuon.newton_schulz import NS_PRESETS, newton_schulz_reference
 
@@ -182,22 +183,31 @@ def add_parser(subparsers) -> None:
         "ab",
         help="update A/B: shardmuon vs a float64 Muon, beside the bf16 noise floor",
         description=__doc__,
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="tiny-moe")
-    p.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
-    p.add_argument("--steps", type=int, default=3)
     p.add_argument(
-        "--presets",
+        "--model", choices=sorted(MODEL_PRESETS), default="tiny-moe", help="model preset"
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help="cut the model to this many layers (default: all)"
+    )
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps compared")
+    p.add_argument(
+        "--coefficients",
         type=str,
         default=None,
-        help="comma-separated coefficient presets for the folded rows "
-        "(default: dion,deepseek-v4; dion's unfolded recipe is always added)",
+        help="comma-separated Newton-Schulz coefficient presets for the folded rows, among "
+        f"{', '.join(NS_PRESETS)} (default: dion,deepseek-v4; dion's unfolded recipe is "
+        "always added)",
     )
-    p.add_argument("--lr", type=float, default=0.02)
-    p.add_argument("--seed", type=int, default=0)
+    add_hidden_alias(p, "--presets", "coefficients", type=str)
+    p.add_argument("--lr", type=float, default=0.02, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the grads")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--json", type=str, default=None, help="write all figures to this JSON file")
-    p.add_argument("--plot", type=str, default=None, help="write a PNG line plot here")
+    p.add_argument(
+        "--json", metavar="PATH", default=None, help="write all figures to this JSON file"
+    )
+    p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG line plot here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -209,7 +219,7 @@ def _rows(presets: str | None) -> list[tuple[str, str]]:
     unknown = [n for n in names if n not in NS_PRESETS]
     if not names or unknown:
         raise ValueError(
-            f"bad --presets {presets!r}; accepted: a comma-separated subset of "
+            f"bad --coefficients {presets!r}; accepted: a comma-separated subset of "
             f"{', '.join(NS_PRESETS)}"
         )
     return [(n, "folded") for n in dict.fromkeys(names)] + [("dion", "unfolded")]
@@ -217,13 +227,14 @@ def _rows(presets: str | None) -> list[tuple[str, str]]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the A/B from parsed arguments; returns the exit code."""
+    check_outputs({"--json": args.json, "--plot": args.plot})
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers must be >= 1, got {args.layers}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
-    rows_spec = _rows(args.presets)
+    rows_spec = _rows(args.coefficients)
     set_threads(args.threads)
     setup = _Setup(args.model, args.layers, args.lr, args.seed)
     references: dict[str, list[list[Tensor]]] = {}
@@ -257,20 +268,22 @@ def run(args: argparse.Namespace) -> int:
                 }
             )
     n_matrices = len(setup.muon_index)
-    step_cols = [f"step {s}" for s in range(args.steps)]
+    # Steps down, variants across: the table stays narrow however many steps are run.
     print_table(
         f"update A/B vs float64 Muon: {args.model}, {n_matrices} Muon params, {args.steps} steps",
-        ["NS", *step_cols, "noise floor"],
+        ["step", *(_column_name(r) for r in results)],
         [
-            [
-                f"{r['preset']} {r['newton_schulz_impl']}",
-                *(fmt(100 * e, ".3f", "%") for e in r["vs_fp64"]),
-                fmt(100 * max(r["noise_floor"]), ".3f", "%"),
-            ]
-            for r in results
+            *(
+                [str(s), *(fmt(100 * r["vs_fp64"][s], ".3f", "%") for r in results)]
+                for s in range(args.steps)
+            ),
+            ["noise floor", *(fmt(100 * max(r["noise_floor"]), ".3f", "%") for r in results)],
         ],
-        caption="||Δ - Δ_fp64|| / ||Δ_fp64|| over all Muon matrices; noise floor: the same "
-        f"run with grads x {GRAD_SCALE} vs unscaled (max over steps).",
+        legend=[
+            ("step N", "||Δ - Δ_fp64|| / ||Δ_fp64|| over all Muon matrices at step N"),
+            ("noise floor", f"the same run with grads x {GRAD_SCALE} against it, max over steps"),
+            ("columns", "Newton-Schulz coefficients and implementation of shardmuon's run"),
+        ],
     )
     if args.json:
         write_json(
@@ -293,9 +306,18 @@ def run(args: argparse.Namespace) -> int:
                 "results": results,
             },
         )
+        note_written(args.json, "results (JSON)")
     if args.plot:
         save_plot(args.plot, lambda ax: _draw(ax, results), "update vs float64 Muon")
+        note_written(args.plot, "plot (PNG)")
     return 0
+
+
+def _column_name(result: dict[str, Any]) -> str:
+    # Break at the hyphen too, so that "deepseek-v4" or "polar-express" is no wider than
+    # "unfolded".
+    preset = result["preset"].replace("-", "-\n")
+    return f"{preset}\n{result['newton_schulz_impl']}"
 
 
 def _draw(ax, results: list[dict[str, Any]]) -> None:

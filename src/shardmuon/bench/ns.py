@@ -17,11 +17,13 @@ from shardmuon.bench.report import (
     fmt,
     median_time,
     new_progress,
+    print_legend,
     print_table,
     save_plot,
     set_threads,
     write_json,
 )
+from shardmuon.cli_support import HelpFormatter, add_hidden_alias, check_outputs, note_written
 from shardmuon.newton_schulz import (
     NS_PRESETS,
     newton_schulz,
@@ -84,7 +86,8 @@ def parse_presets(text: str) -> list[str]:
     unknown = [n for n in names if n not in NS_PRESETS]
     if not names or unknown:
         raise ValueError(
-            f"bad --presets {text!r}; accepted: a comma-separated subset of {', '.join(NS_PRESETS)}"
+            f"bad --coefficients {text!r}; accepted: a comma-separated subset of "
+            f"{', '.join(NS_PRESETS)}"
         )
     return names
 
@@ -155,6 +158,7 @@ def add_parser(subparsers) -> None:
         "ns",
         help="Newton-Schulz per call: folded vs unfolded, TFLOP/s, error vs fp64",
         description=__doc__,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--shapes",
@@ -164,17 +168,25 @@ def add_parser(subparsers) -> None:
         "a scaled-down set on CPU)",
     )
     p.add_argument(
-        "--presets",
+        "--coefficients",
         type=str,
         default="dion",
-        help=f"comma-separated coefficient presets among {', '.join(NS_PRESETS)} (default: dion)",
+        help=f"comma-separated Newton-Schulz coefficient presets among {', '.join(NS_PRESETS)}",
     )
+    add_hidden_alias(p, "--presets", "coefficients", type=str)
     p.add_argument("--repeats", type=int, default=5, help="timed calls per figure (median)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random input matrices")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--json", type=str, default=None, help="write all figures to this JSON file")
-    p.add_argument("--plot", type=str, default=None, help="write a PNG bar chart here")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where to run; auto: CUDA when available",
+    )
+    p.add_argument(
+        "--json", metavar="PATH", default=None, help="write all figures to this JSON file"
+    )
+    p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG bar chart here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -189,6 +201,7 @@ def _device(name: str) -> torch.device:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark from parsed arguments; returns the exit code."""
+    check_outputs({"--json": args.json, "--plot": args.plot})
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     set_threads(args.threads)
@@ -197,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         shapes = list(GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
     else:
         shapes = parse_shapes(args.shapes)
-    presets = parse_presets(args.presets)
+    presets = parse_presets(args.coefficients)
 
     rows: list[dict[str, Any]] = []
     with new_progress(not args.no_progress) as progress:
@@ -212,35 +225,44 @@ def run(args: argparse.Namespace) -> int:
                 if progress:
                     progress.advance(task)
 
-    print_table(
-        f"Newton-Schulz per call ({device.type}, {torch.get_num_threads()} threads)",
-        [
-            "shape",
-            "preset",
-            "folded ms",
-            "unfolded ms",
-            "speed-up",
-            "TFLOP/s",
-            "of GEMM",
-            "err folded",
-            "err unfolded",
-        ],
-        [
+    # One table per preset keeps the table narrow enough for 80 columns.
+    for preset in presets:
+        print_table(
+            f"Newton-Schulz per call, {preset} coefficients "
+            f"({device.type}, {torch.get_num_threads()} threads)",
             [
-                "x".join(map(str, r["shape"])),
-                r["preset"],
-                fmt(r["folded_ms"], ".2f"),
-                fmt(r["unfolded_ms"], ".2f"),
-                fmt(r["speedup"], ".2f", "x"),
-                fmt(r["folded_tflops"], ".3f"),
-                fmt(100 * r["fraction_of_gemm"], ".0f", "%"),
-                fmt(100 * r["rel_error_folded"], ".2f", "%"),
-                fmt(100 * r["rel_error_unfolded"], ".2f", "%"),
-            ]
-            for r in rows
+                "shape",
+                "folded\nms",
+                "unfolded\nms",
+                "speed-\nup",
+                "TFLOP/s",
+                "of\nGEMM",
+                "err\nfolded",
+                "err\nunfolded",
+            ],
+            [
+                [
+                    "x".join(map(str, r["shape"])),
+                    fmt(r["folded_ms"], ".2f"),
+                    fmt(r["unfolded_ms"], ".2f"),
+                    fmt(r["speedup"], ".2f", "x"),
+                    fmt(r["folded_tflops"], ".3f"),
+                    fmt(100 * r["fraction_of_gemm"], ".0f", "%"),
+                    fmt(100 * r["rel_error_folded"], ".2f", "%"),
+                    fmt(100 * r["rel_error_unfolded"], ".2f", "%"),
+                ]
+                for r in rows
+                if r["preset"] == preset
+            ],
+        )
+    print_legend(
+        [
+            ("folded / unfolded ms", "one call of shardmuon's Newton-Schulz / dion's recipe"),
+            ("speed-up", "unfolded time over folded time"),
+            ("TFLOP/s", "folded: batch x iterations x (4 m^2 n + 2 m^3) FLOPs per call"),
+            ("of GEMM", "that rate over a plain bf16 X X^T GEMM on the same shape"),
+            ("err", "||NS - NS_fp64|| / ||NS_fp64||, against the float64 iteration"),
         ],
-        caption="TFLOP/s and 'of GEMM' are for the folded version; errors are "
-        "||NS - NS_fp64|| / ||NS_fp64||.",
     )
     if args.json:
         write_json(
@@ -251,8 +273,10 @@ def run(args: argparse.Namespace) -> int:
                 "results": rows,
             },
         )
+        note_written(args.json, "results (JSON)")
     if args.plot:
         save_plot(args.plot, lambda ax: _draw(ax, rows), "Newton-Schulz per call")
+        note_written(args.plot, "plot (PNG)")
     return 0
 
 

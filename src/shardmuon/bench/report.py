@@ -21,11 +21,16 @@ from typing import Any
 
 import torch
 
+# Tables are laid out to fit this many columns when stdout is not a terminal.
+TABLE_WIDTH = 80
+
 __all__ = [
+    "TABLE_WIDTH",
     "environment",
     "fmt",
     "median_time",
     "new_progress",
+    "print_legend",
     "print_table",
     "save_plot",
     "set_threads",
@@ -40,8 +45,8 @@ def _console(stderr: bool):
 
     console = Console(stderr=stderr, highlight=False)
     if not console.is_terminal:
-        # Piped or captured output: rich would wrap tables at 80 columns.
-        console = Console(stderr=stderr, highlight=False, width=160)
+        # Piped or captured output (a log, a CI job) is read at the common 80 columns.
+        console = Console(stderr=stderr, highlight=False, width=TABLE_WIDTH)
     return console
 
 
@@ -91,7 +96,10 @@ def _jsonable(value: Any) -> Any:
 
 
 def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` as indented JSON (non-finite floats become ``null``); returns the path."""
+    """Write ``payload`` as indented JSON (non-finite floats become ``null``); returns the path.
+
+    Check the path with :func:`shardmuon.cli_support.check_output_file` before the work.
+    """
     out = Path(path)
     if out.parent and not out.parent.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -107,17 +115,37 @@ def fmt(value: float | None, spec: str = ".3g", suffix: str = "") -> str:
 
 
 def print_table(
-    title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], caption: str | None = None
+    title: str,
+    columns: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    caption: str | None = None,
+    legend: Sequence[tuple[str, str]] = (),
 ) -> None:
-    """Print a rich table to stdout; first column left-aligned, the rest right-aligned."""
+    """Print a compact rich table to stdout, then ``caption`` and one line per ``legend`` entry.
+
+    The first column is left-aligned, the rest right-aligned. Cells never wrap (a number
+    broken over two lines misreads); a header wraps where it has a ``"\\n"``. ``legend`` is
+    ``(column, meaning)`` pairs: what each column means, under the table.
+    """
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=title, caption=caption, caption_justify="left")
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
     for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
+        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
     for row in rows:
         table.add_row(*row)
     _console(stderr=False).print(table)
+    print_legend(legend, caption)
+
+
+def print_legend(legend: Sequence[tuple[str, str]], caption: str | None = None) -> None:
+    """Print ``caption``, then ``column: meaning`` for each ``legend`` pair, to stdout."""
+    console = _console(stderr=False)
+    if caption:
+        console.print(caption, markup=False)
+    for name, meaning in legend:
+        console.print(f"  {name.replace(chr(10), ' ')}: {meaning}", markup=False)
 
 
 def new_progress(enabled: bool = True):

@@ -30,11 +30,11 @@ from shardmuon.bench.report import (
     new_progress,
     print_table,
     save_plot,
-    stderr_console,
     synchronize,
     write_json,
 )
 from shardmuon.bench.volume import padded_scheme_bytes
+from shardmuon.cli_support import HelpFormatter, add_hidden_alias, check_outputs, note, note_written
 from shardmuon.models import MODEL_PRESETS, attention_dims, model_config
 from shardmuon.newton_schulz import NS_PRESETS, newton_schulz, newton_schulz_unfolded
 from shardmuon.parallel import LAYOUTS, apply_layout, plan_layout
@@ -70,7 +70,7 @@ class StepConfig:
     mesh_shape: tuple[int, ...] | None
     steps: int
     impls: tuple[str, ...]
-    preset: str
+    coefficients: str
     lr: float
     seed: int
     progress: bool
@@ -177,7 +177,7 @@ def _make_optimizer(impl: str, model: nn.Module, cfg: StepConfig, expert_mesh_na
         nesterov=True,
         weight_decay=WEIGHT_DECAY,
         matrix_partitions=routed.partitions,
-        newton_schulz_coefficients=cfg.preset,
+        newton_schulz_coefficients=cfg.coefficients,
         **_SHARDMUON_OPTIONS[impl],
     )
 
@@ -277,7 +277,7 @@ def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, advan
     }
     if is_shardmuon:
         rank_step = statistics.median(times[1:])
-        ns_s = _owned_ns_seconds(stats.owned_shapes, impl, cfg.preset, ctx)
+        ns_s = _owned_ns_seconds(stats.owned_shapes, impl, cfg.coefficients, ctx)
         result.update(
             bytes_sent=stats.bytes_sent,
             bytes_received=stats.bytes_received,
@@ -368,9 +368,14 @@ def add_parser(subparsers) -> None:
         "step",
         help="optimizer step time, memory and all-to-all bytes (default)",
         description=__doc__,
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="tiny-moe")
-    p.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
+    p.add_argument(
+        "--model", choices=sorted(MODEL_PRESETS), default="tiny-moe", help="model preset"
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help="cut the model to this many layers (default: all)"
+    )
     p.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary size")
     p.add_argument(
         "--nproc",
@@ -379,12 +384,12 @@ def add_parser(subparsers) -> None:
         help="processes to spawn (default: the GPU count on CUDA, 2 on CPU; "
         "ignored under torchrun)",
     )
-    p.add_argument("--layout", choices=LAYOUTS, default="fsdp")
+    p.add_argument("--layout", choices=LAYOUTS, default="fsdp", help="how params are sharded")
     p.add_argument(
         "--mesh",
         type=str,
         default=None,
-        help="mesh shape, e.g. 2x1 (hsdp: REPLICATExSHARD, ep: EPxDP)",
+        help="mesh shape, e.g. 2x1 (hsdp: REPLICATExSHARD, ep: EPxDP; default: from --nproc)",
     )
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per implementation")
     p.add_argument(
@@ -393,12 +398,25 @@ def add_parser(subparsers) -> None:
         default=None,
         help=f"comma-separated subset of {', '.join(IMPLEMENTATIONS)} (default: all that apply)",
     )
-    p.add_argument("--preset", choices=sorted(NS_PRESETS), default="dion")
-    p.add_argument("--lr", type=float, default=0.02)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads per process")
-    p.add_argument("--json", type=str, default=None, help="write all figures to this JSON file")
-    p.add_argument("--plot", type=str, default=None, help="write a PNG bar chart here")
+    p.add_argument(
+        "--coefficients",
+        choices=sorted(NS_PRESETS),
+        default="dion",
+        help="Newton-Schulz coefficient preset",
+    )
+    add_hidden_alias(p, "--preset", "coefficients", choices=sorted(NS_PRESETS))
+    p.add_argument("--lr", type=float, default=0.02, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and grads")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per process (default: cores / processes)",
+    )
+    p.add_argument(
+        "--json", metavar="PATH", default=None, help="write all figures to this JSON file"
+    )
+    p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG bar chart here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -421,6 +439,7 @@ def _check_positive(flag: str, value: int | None, minimum: int = 1) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate, launch the workers, print the table; returns the exit code."""
+    check_outputs({"--json": args.json, "--plot": args.plot})
     _check_positive("--steps", args.steps, 2)
     _check_positive("--nproc", args.nproc)
     _check_positive("--layers", args.layers)
@@ -446,7 +465,7 @@ def run(args: argparse.Namespace) -> int:
         mesh_shape=plan.mesh_shape if plan.mesh_shape else None,
         steps=args.steps,
         impls=tuple(impls),
-        preset=args.preset,
+        coefficients=args.coefficients,
         lr=args.lr,
         seed=args.seed,
         progress=not args.no_progress,
@@ -472,52 +491,69 @@ def run(args: argparse.Namespace) -> int:
                 "skipped": skipped,
             },
         )
+        note_written(args.json, "results (JSON)")
     if args.plot:
         save_plot(args.plot, lambda ax: _draw(ax, rows), f"optimizer step, {cfg.model}")
+        note_written(args.plot, "plot (PNG)")
     return 0
 
 
 def _print(rows: list[dict], cfg: StepConfig, out: dict, skipped: dict[str, str]) -> None:
+    # Two narrow tables rather than one wide one, so that both fit 80 columns; the traffic
+    # columns only mean something for shardmuon's own implementations.
     gib = 2**30
     mesh = "x".join(map(str, out["mesh_shape"])) or "-"
+    memory_source = "CUDA allocator stats" if out["device"].startswith("cuda") else "CPU profiler"
     print_table(
         f"optimizer step: {cfg.model}"
         + (f" ({cfg.layers} layers)" if cfg.layers else "")
         + f", layout {cfg.layout} (mesh {mesh}), {out['world_size']} x {out['device']}, "
         f"{out['threads']} threads/rank",
-        [
-            "impl",
-            "step ms",
-            "peak GiB",
-            "transient GiB",
-            "all-to-all GB/rank",
-            "a2a ÷ min",
-            "padded ÷ min",
-            "owned NS ms",
-            "step ÷ NS",
-        ],
+        ["impl", "step\nms", "owned\nNS ms", "step\n÷ NS", "peak\nGiB", "transient\nGiB"],
         [
             [
                 r["impl"],
                 fmt(1e3 * r["step_s"], ".2f"),
-                fmt(r["peak_bytes"] / gib, ".4f"),
-                fmt(r["transient_bytes"] / gib, ".4f"),
-                fmt(r.get("a2a_gb_per_rank"), ".4f"),
-                fmt(r.get("a2a_over_minimum"), ".2f"),
-                fmt(r.get("padded_over_minimum"), ".2f"),
                 fmt(1e3 * r["owned_ns_s"] if "owned_ns_s" in r else None, ".2f"),
                 fmt(r.get("step_over_ns"), ".2f"),
+                fmt(r["peak_bytes"] / gib, ".4f"),
+                fmt(r["transient_bytes"] / gib, ".4f"),
             ]
             for r in rows
         ],
-        caption=f"median over steps 2..{cfg.steps}, max over ranks; Newton-Schulz preset "
-        f"{cfg.preset}; memory on "
-        + ("CUDA allocator stats" if out["device"].startswith("cuda") else "CPU: profiler")
-        + " (docs/benchmarks.md)",
+        caption=f"Median over steps 2..{cfg.steps}, max over ranks; Newton-Schulz "
+        f"coefficients {cfg.coefficients}; memory from {memory_source}.",
+        legend=[
+            ("step ms", "wall time of opt.step()"),
+            ("owned NS ms", "Newton-Schulz alone on the matrices a rank orthogonalizes"),
+            ("step ÷ NS", "step time over owned NS time; 1.00: the step is all Newton-Schulz"),
+            ("peak GiB", "most memory live during a step"),
+            ("transient GiB", "the part of the peak that the step itself allocated"),
+        ],
     )
-    console = stderr_console()
+    traffic = [r for r in rows if "a2a_gb_per_rank" in r]
+    if traffic:
+        print_table(
+            "all-to-all traffic per step",
+            ["impl", "all-to-all\nGB/rank", "a2a\n÷ min", "padded\n÷ min"],
+            [
+                [
+                    r["impl"],
+                    fmt(r["a2a_gb_per_rank"], ".4f"),
+                    fmt(r.get("a2a_over_minimum"), ".2f"),
+                    fmt(r.get("padded_over_minimum"), ".2f"),
+                ]
+                for r in traffic
+            ],
+            legend=[
+                ("all-to-all GB/rank", "bytes a rank sends to the others, max over ranks"),
+                ("a2a ÷ min", "bytes sent over the least the layout needs (1.00: no waste)"),
+                ("padded ÷ min", "dion's padded scheme over that least, computed from the layout"),
+            ],
+        )
+    note("Every column is explained in docs/benchmarks.md.")
     for impl, reason in skipped.items():
-        console.print(f"skipped {impl}: {reason}")
+        note(f"skipped {impl}: {reason}")
 
 
 def _draw(ax, rows: list[dict]) -> None:
