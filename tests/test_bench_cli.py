@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from shardmuon.bench.memory import live_bytes, measure_cpu_step, peak_of_events
-from shardmuon.cli import _default_bench_command, main
+from shardmuon.bench.report import TABLE_WIDTH
+from shardmuon.cli import _default_bench_command, build_parser, main
 from shardmuon.models import MODEL_PRESETS, build_model, param_shapes
 from shardmuon.parallel import plan_layout
 
@@ -46,13 +47,29 @@ def _check_environment(env: dict, world_size: int) -> None:
 # ------------------------------------------------------------------------------ commands
 
 
-def test_ns_writes_json_and_png(tmp_path):
+def _check_printed_table(text: str, legend: list[str]) -> None:
+    """The table fits 80 columns and explains its columns underneath."""
+    lines = text.splitlines()
+    assert lines, "no table printed"
+    too_wide = [line for line in lines if len(line.rstrip()) > TABLE_WIDTH]
+    assert not too_wide, too_wide
+    for entry in legend:
+        assert any(line.strip().startswith(f"{entry}:") for line in lines), entry
+
+
+def test_ns_writes_json_and_png(tmp_path, capsys):
     out, png = tmp_path / "ns.json", tmp_path / "ns.png"
     rc = main(
-        ["bench", "ns", "--shapes", "3x16x40,40x24", "--presets", "dion,deepseek-v4",
+        ["bench", "ns", "--shapes", "3x16x40,40x24", "--coefficients", "dion,deepseek-v4",
          "--repeats", "1", "--threads", "1", "--json", str(out), "--plot", str(png), "--no-progress"]
     )  # fmt: skip
     assert rc == 0
+    printed = capsys.readouterr()
+    _check_printed_table(printed.out, ["speed-up", "TFLOP/s", "of GEMM", "err"])
+    assert printed.err.splitlines() == [
+        f"wrote results (JSON): {out}",
+        f"wrote plot (PNG): {png}",
+    ]
     data = json.loads(out.read_text())
     assert data["benchmark"] == "ns"
     _check_environment(data["environment"], world_size=1)
@@ -77,7 +94,7 @@ def test_ns_writes_json_and_png(tmp_path):
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
-def test_step_fsdp_two_ranks_moves_the_minimum_bytes(tmp_path):
+def test_step_fsdp_two_ranks_moves_the_minimum_bytes(tmp_path, capsys):
     out, png = tmp_path / "step.json", tmp_path / "step.png"
     rc = main(
         ["bench", "step", "--nproc", "2", "--layout", "fsdp", "--model", "tiny-dense",
@@ -85,6 +102,12 @@ def test_step_fsdp_two_ranks_moves_the_minimum_bytes(tmp_path):
          "--no-progress"]
     )  # fmt: skip
     assert rc == 0
+    printed = capsys.readouterr()
+    _check_printed_table(
+        printed.out, ["step ms", "owned NS ms", "peak GiB", "all-to-all GB/rank", "a2a ÷ min"]
+    )
+    assert f"wrote results (JSON): {out}" in printed.err
+    assert f"wrote plot (PNG): {png}" in printed.err
     data = json.loads(out.read_text())
     _check_environment(data["environment"], world_size=2)
     assert data["config"]["mesh_shape"] == [2]
@@ -128,13 +151,15 @@ def test_step_single_process_includes_torch_muon(tmp_path):
     assert _finite_positive(rows["torch-muon"]["step_s"])
 
 
-def test_ab_is_close_to_fp64_muon(tmp_path):
+def test_ab_is_close_to_fp64_muon(tmp_path, capsys):
     out, png = tmp_path / "ab.json", tmp_path / "ab.png"
     rc = main(
         ["bench", "ab", "--model", "tiny-dense", "--layers", "1", "--steps", "2",
-         "--presets", "dion", "--threads", "1", "--json", str(out), "--plot", str(png), "--no-progress"]
+         "--coefficients", "dion", "--threads", "1", "--json", str(out), "--plot", str(png),
+         "--no-progress"]
     )  # fmt: skip
     assert rc == 0
+    _check_printed_table(capsys.readouterr().out, ["step N", "noise floor"])
     data = json.loads(out.read_text())
     rows = {(r["preset"], r["newton_schulz_impl"]): r for r in data["results"]}
     assert set(rows) == {("dion", "folded"), ("dion", "unfolded")}
@@ -150,7 +175,8 @@ def test_ab_is_close_to_fp64_muon(tmp_path):
     "argv, message",
     [
         (["bench", "ns", "--shapes", "8xfoo"], "bad shape '8xfoo'"),
-        (["bench", "ns", "--presets", "dion,nope"], "bad --presets"),
+        (["bench", "ns", "--coefficients", "dion,nope"], "bad --coefficients"),
+        (["bench", "ab", "--coefficients", "nope"], "bad --coefficients 'nope'"),
         (["bench", "step", "--nproc", "3", "--layout", "hsdp", "--mesh", "2x2"], "has 4 ranks"),
         (["bench", "step", "--nproc", "2", "--impl", "torch-muon"], "--impl torch-muon"),
         (["bench", "step", "--impl", "sgd"], "bad --impl 'sgd'"),
@@ -189,6 +215,69 @@ def test_bench_without_subcommand_means_step():
     assert _default_bench_command(["bench", "--nproc", "2"]) == ["bench", "step", "--nproc", "2"]
     assert _default_bench_command(["bench", "ns"]) == ["bench", "ns"]
     assert _default_bench_command(["bench", "--help"]) == ["bench", "--help"]
+    # A bare word is a sub-command, right or wrong: never run `step` with it as an argument.
+    assert _default_bench_command(["bench", "stpe"]) == ["bench", "stpe"]
+
+
+def test_misspelt_subcommand_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "stpe"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'stpe' (choose from 'step', 'ns', 'ab')" in err
+
+
+def test_train_json_flag_is_an_option_not_a_subcommand():
+    args = build_parser().parse_args(["train", "--json", "x.json", "--plot", "x.png"])
+    assert (args.json, args.plot, args.train_command) == ("x.json", "x.png", None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "dest", "value"),
+    [
+        # One name for one thing on every command; the old names still parse.
+        (["bench", "step", "--coefficients", "keller"], "coefficients", "keller"),
+        (["bench", "step", "--preset", "keller"], "coefficients", "keller"),
+        (["bench", "ns", "--presets", "keller,dion"], "coefficients", "keller,dion"),
+        (["bench", "ab", "--presets", "keller"], "coefficients", "keller"),
+        (["train", "--coefficients", "keller"], "coefficients", "keller"),
+        (["bench", "step", "--layers", "3"], "layers", 3),
+        (["train", "--layers", "3"], "num_layers", 3),
+        (["train", "--num-layers", "3"], "num_layers", 3),
+        (["train", "--no-progress"], "quiet", True),
+        (["train", "--quiet"], "quiet", True),
+        (["train", "plot", "a.json", "--out", "c.png"], "plot", "c.png"),
+    ],
+)
+def test_flag_vocabulary_and_old_aliases(argv, dest, value):
+    assert getattr(build_parser().parse_args(argv), dest) == value
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["bench", "step", "--help"],
+            ["{glm-4.5-air,qwen3-30b-a3b,tiny-dense,tiny-moe}", "(default: tiny-moe)",
+             "{none,fsdp,hsdp,ep}", "(default: fsdp)", "(default: 12)", "(default: dion)"],
+        ),
+        (["bench", "ns", "--help"], ["(default: 5)", "{auto,cpu,cuda}", "(default: auto)"]),
+        (["bench", "ab", "--help"], ["(default: 3)", "(default: 0.02)"]),
+        (
+            ["train", "--help"],
+            ["{glm-4.5-air,qwen3-30b-a3b,tiny-dense,tiny-moe}", "(default: tiny-moe)",
+             "{muon,adamw}", "(default: 150)", "{fsdp,ep}", "on --resume: the checkpoint's"],
+        ),
+    ],
+)  # fmt: skip
+def test_help_shows_choices_and_defaults(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    # argparse wraps long help lines; compare with the wrapping undone.
+    text = " ".join(capsys.readouterr().out.split())
+    for item in expected:
+        assert item in text, item
 
 
 # ------------------------------------------------------------------------ building blocks

@@ -22,7 +22,13 @@ from shardmuon.train import checkpoint as ckpt_io
 from shardmuon.train.cli import main as train_main
 from shardmuon.train.data import IGNORE_INDEX, num_target_tokens, rank_slice
 from shardmuon.train.dion_format import read_dion_file
-from shardmuon.train.loop import build_training_model, range_means, run_training, sft_loss_sum
+from shardmuon.train.loop import (
+    build_optimizer,
+    build_training_model,
+    range_means,
+    run_training,
+    sft_loss_sum,
+)
 
 STEPS = 12
 HALF = 6
@@ -287,8 +293,16 @@ def test_checkpoint_from_another_model_is_rejected(runs):
 @pytest.mark.slow
 def test_missing_optimizer_state_is_named(runs):
     path = runs["tmp"] / "U" / f"step-{HALF:06d}"
-    with pytest.raises(CheckpointError, match=r"missing optimizer state: .*exp_avg"):
+    # A run names the setting that differs from the checkpoint's first...
+    with pytest.raises(ValueError, match=r"--optimizer 'adamw' \(checkpoint: 'muon'\)"):
         run_training(dataclasses.replace(BASE, optimizer="adamw", resume=str(path)))
+    # ... and the tensor check names the state such an optimizer would miss.
+    config = dataclasses.replace(BASE, optimizer="adamw")
+    model = build_training_model(config, CharTokenizer())
+    optimizer = build_optimizer(config, model, None)
+    expected = ckpt_io.expected_entries(ckpt_io.training_state_dict(model, optimizer))
+    with pytest.raises(CheckpointError, match=r"missing optimizer state: .*exp_avg"):
+        ckpt_io.check_compatible(path, expected)
 
 
 def test_missing_or_foreign_checkpoints_are_rejected(tmp_path):
@@ -324,10 +338,10 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]
 
 
-# ---------------------------------------------------------------------------- plot
+# ---------------------------------------------------------------------------- outputs
 
 
-def test_plot_command_writes_a_png(tmp_path):
+def test_plot_command_writes_a_png(tmp_path, capsys):
     from shardmuon.cli import main as project_main
 
     files = []
@@ -337,9 +351,35 @@ def test_plot_command_writes_a_png(tmp_path):
         path.write_text(json.dumps({"losses": losses}))
         files.append(str(path))
     png = tmp_path / "curve.png"
-    assert project_main(["train", "plot", *files, "--out", str(png)]) == 0
+    assert project_main(["train", "plot", *files, "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().err.splitlines() == [f"wrote loss curves (PNG): {png}"]
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    assert train_main(["plot", str(bad), "--out", str(tmp_path / "x.png")]) == 2
+    assert train_main(["plot", str(bad), "--plot", str(tmp_path / "x.png")]) == 2
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.slow
+def test_train_outputs_are_announced_one_line_each(tmp_path, capsys):
+    ck, csv, png, dion = tmp_path / "ck", tmp_path / "l.csv", tmp_path / "l.png", tmp_path / "d.pt"
+    old_json = tmp_path / "old.json"
+    argv = ["--model", "tiny-dense", "--layers", "1", "--batch-size", "4", "--max-len", "4",
+            "--nproc", "1", "--steps", "4", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
+            "--csv", str(csv), "--plot", str(png), "--dion-out", str(dion),
+            "--out", str(old_json), "--no-progress"]  # fmt: skip
+    assert train_main(argv) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"shardmuon train: warning: --out is deprecated; use --json {old_json}",
+        f"wrote 2 checkpoints (step-000002 ... step-000004): {ck}",
+        f"wrote dion-format checkpoint: {dion}",
+        f"wrote losses and config (JSON): {old_json}",
+        f"wrote losses (CSV): {csv}",
+        f"wrote loss curve (PNG): {png}",
+    ]
+    rows = csv.read_text().splitlines()
+    assert rows[0] == "step,loss" and [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3", "4"]
+    recorded = json.loads(old_json.read_text())
+    assert [item["step"] for item in recorded["losses"]] == [1, 2, 3, 4]
+    assert recorded["config"]["json_out"] == str(old_json)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,12 +6,13 @@ Layout of a checkpoint root::
     root/step-000050/.metadata, __*.distcp   DCP: {"model": ..., "optim": ...}, sharded
     root/step-000050/trainer_state.json      step, seed, config, world size
     root/step-000050/rng/rank{r}.pt          torch RNG state of each rank
+    root/step-000050/.complete               written last: every file above with its size
 
 The optimizer state dict is the FQN-keyed, flattened one from
 ``get_state_dict(..., StateDictOptions(flatten_optimizer_state_dict=True))``, so DCP can
 reshard DTensor state to another world size. A save goes to a temporary directory that is
 renamed into place only once every rank has written, so a failed save never touches what is
-already on disk.
+already on disk; :mod:`.recovery` picks up what a save killed at any point leaves behind.
 """
 
 from __future__ import annotations
@@ -30,12 +31,21 @@ from torch import nn
 
 STEP_PREFIX = "step-"
 TRAINER_STATE = "trainer_state.json"
-_DCP_METADATA = ".metadata"
+DCP_METADATA = ".metadata"
+# Written last into a finished save: its presence marks the directory complete, and its
+# file sizes let a resume spot a file truncated since.
+COMPLETE_MARKER = ".complete"
+TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
 _LIST_LIMIT = 6
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed by this run (missing, from another model, ...)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint whose files are missing or damaged; the message names the file."""
 
 
 def _state_dict_options():
@@ -67,38 +77,40 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"{STEP_PREFIX}{step:06d}"
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A DCP checkpoint directory: ``path`` itself, or the newest ``step-*`` inside ``path``."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint path {str(path)!r} does not exist")
-    if path.is_file():
-        raise CheckpointError(
-            f"{str(path)!r} is a file; a DCP checkpoint is a directory (for a dion-format "
-            "torch.save file use --resume-dion)"
-        )
-    if (path / _DCP_METADATA).is_file():
-        return path
-    steps = sorted(
-        p for p in path.glob(f"{STEP_PREFIX}*") if (p / _DCP_METADATA).is_file() and p.is_dir()
-    )
-    if not steps:
-        raise CheckpointError(
-            f"no checkpoint in {str(path)!r}: expected a DCP directory (with {_DCP_METADATA}) "
-            f"or a root holding {STEP_PREFIX}NNNNNN directories"
-        )
-    return steps[-1]
-
-
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
-    """The ``trainer_state.json`` of checkpoint directory ``ckpt``."""
+    """The ``trainer_state.json`` of checkpoint directory ``ckpt`` (with an integer ``step``).
+
+    Raises :class:`CorruptCheckpointError` naming the file when it is missing or invalid.
+    """
     file = ckpt / TRAINER_STATE
     if not file.is_file():
-        raise CheckpointError(
+        raise CorruptCheckpointError(
             f"checkpoint {str(ckpt)!r} has no {TRAINER_STATE} (step, seed and data position); "
-            "it was not written by shardmuon train"
+            "it was not written by shardmuon train, or the file was lost"
         )
-    return json.loads(file.read_text())
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptCheckpointError(f"{file} is damaged: not valid JSON ({err})") from None
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CorruptCheckpointError(f"{file} is damaged: no integer 'step' in it")
+    return state
+
+
+def read_dcp_metadata(ckpt: Path):
+    """DCP's ``Metadata`` of ``ckpt``; :class:`CorruptCheckpointError` naming the file if bad."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    file = ckpt / DCP_METADATA
+    if not file.is_file():
+        raise CorruptCheckpointError(f"{file} is missing: {str(ckpt)!r} is not a DCP checkpoint")
+    try:
+        return FileSystemReader(str(ckpt)).read_metadata()
+    except Exception as err:  # pickle raises many types for a damaged file
+        raise CorruptCheckpointError(
+            f"{file} is damaged: cannot read it ({type(err).__name__}: {err})"
+        ) from None
 
 
 def _summarise(names: list[str]) -> str:
@@ -112,9 +124,9 @@ def check_compatible(ckpt: Path, expected: Mapping[str, tuple[int, ...] | None])
 
     ``expected`` comes from :func:`expected_entries` of this run's model and optimizer.
     """
-    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+    from torch.distributed.checkpoint import TensorStorageMetadata
 
-    stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    stored = read_dcp_metadata(ckpt).state_dict_metadata
     problems: list[str] = []
     missing_model = [
         k[len("model.") :] for k in expected if k.startswith("model.") and k not in stored
@@ -174,16 +186,20 @@ def save_checkpoint(
 ) -> Path:
     """Save after ``step`` optimizer steps (collective: every rank calls it); returns the dir.
 
-    Writes into ``root/.tmp-step-NNNNNN-<id>`` and renames it to ``root/step-NNNNNN`` once all
-    ranks are done; on any failure the temporary directory is removed and the error re-raised,
-    leaving existing checkpoints untouched.
+    Writes into ``root/.tmp-step-NNNNNN-<id>``, marks it complete (:data:`COMPLETE_MARKER`,
+    last) once all ranks are done, then renames it to ``root/step-NNNNNN``. An existing
+    checkpoint of that step is renamed aside first and deleted after. On any failure the
+    temporary directory is removed and the error re-raised, leaving existing checkpoints
+    untouched; if the process is killed instead, :func:`.recovery.repair_checkpoints`
+    finishes or undoes the save on the next run.
     """
     import torch.distributed.checkpoint as dcp
 
     root = Path(root)
     final = step_dir(root, step)
     # Rank 0 picks the name so that every rank writes into the same directory.
-    tmp = Path(_broadcast_str(str(root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}")))
+    tmp_name = f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp = Path(_broadcast_str(str(root / tmp_name)))
     if _rank() == 0:
         tmp.mkdir(parents=True)
     _barrier()
@@ -191,9 +207,11 @@ def save_checkpoint(
         dcp.save(training_state_dict(model, optimizer), checkpoint_id=str(tmp))
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
+        _barrier()  # every rank's files are written
         if _rank() == 0:
-            (tmp / TRAINER_STATE).write_text(json.dumps(dict(trainer_state), indent=2))
-        _barrier()
+            _write_durably(tmp / TRAINER_STATE, json.dumps(dict(trainer_state), indent=2))
+            _write_durably(tmp / COMPLETE_MARKER, json.dumps(_manifest(tmp), indent=1))
+            _fsync_dir(tmp)
     except BaseException:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -204,14 +222,37 @@ def save_checkpoint(
     return final
 
 
+def _manifest(ckpt: Path) -> dict[str, Any]:
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != COMPLETE_MARKER)
+    return {"files": {p.relative_to(ckpt).as_posix(): p.stat().st_size for p in files}}
+
+
+def _write_durably(path: Path, text: str) -> None:
+    # fsync, so that after a power cut the marker never exists without the data it vouches for.
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _replace_dir(new: Path, final: Path) -> None:
-    # os.rename of a directory is atomic; an older checkpoint of the same step is moved
-    # aside first and only deleted once the new one is in place.
+    # os.rename of a directory is atomic. An older checkpoint of the same step is moved
+    # aside first and only deleted once the new one is in place; a kill between the two
+    # renames leaves both complete copies, which recovery puts back.
     old = None
     if final.exists():
-        old = final.with_name(f".old-{final.name}-{uuid.uuid4().hex[:8]}")
+        old = final.with_name(f"{OLD_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
         os.rename(final, old)
     os.rename(new, final)
+    _fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -226,7 +267,13 @@ def load_checkpoint(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = training_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=str(ckpt))
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt))
+    except Exception as err:
+        # Damage that the checks before loading cannot see (bytes changed, not truncated).
+        raise CorruptCheckpointError(
+            f"cannot load checkpoint {str(ckpt)!r}: {type(err).__name__}: {err}"
+        ) from err
     set_state_dict(
         model,
         optimizer,
@@ -238,4 +285,8 @@ def load_checkpoint(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     world = dist.get_world_size() if dist.is_initialized() else 1
     rng_file = ckpt / "rng" / f"rank{_rank()}.pt"
     if saved_world == world and rng_file.is_file():
-        torch.set_rng_state(torch.load(rng_file, weights_only=True))
+        try:
+            rng_state = torch.load(rng_file, weights_only=True)
+        except Exception as err:
+            raise CorruptCheckpointError(f"{rng_file} is damaged: {err}") from err
+        torch.set_rng_state(rng_state)

@@ -2,7 +2,9 @@
 :mod:`shardmuon.train.loop` and :mod:`shardmuon.train.plot`.
 
 Usable on its own as ``python -m shardmuon.train ...`` as well as through the project CLI,
-which calls :func:`add_parser`.
+which calls :func:`add_parser`. The flags share their names with ``shardmuon bench``:
+``--json PATH`` and ``--plot PATH`` for outputs, ``--layers``, ``--coefficients``,
+``--no-progress``. The old spellings (``--out``, ``--num-layers``, ``--quiet``) still work.
 """
 
 from __future__ import annotations
@@ -10,8 +12,37 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from shardmuon.train.loop import OPTIMIZERS, TRAIN_LAYOUTS, TrainConfig, run_training
+from shardmuon.cli_support import (
+    HelpFormatter,
+    add_hidden_alias,
+    check_outputs,
+    note,
+    note_written,
+)
+from shardmuon.models import MODEL_PRESETS
+from shardmuon.newton_schulz import NS_PRESETS
+from shardmuon.train.loop import OPTIMIZERS, TRAIN_LAYOUTS, TrainConfig, TrainResult, run_training
+from shardmuon.train.resume import RESUME_FIXED, adopt_checkpoint_settings
+
+_DESCRIPTION = """\
+Supervised fine-tuning of a tiny random-init Qwen3 / Qwen3-MoE on a synthetic
+reverse-text task, with FSDP2 over N processes and DCP checkpoints
+(docs/training.md).
+
+On --resume / --resume-dion the optimizer settings (--optimizer, --coefficients,
+--update-rms, --lr, --weight-decay, --mu, --nesterov) are the checkpoint's:
+leave them out and they are taken from it; give one with another value and the
+run is refused, since the checkpoint's param groups would override it. --json
+records the settings that ran.
+
+'shardmuon train plot RUN.json ... --plot curve.png' overlays loss curves.
+"""
+
+
+def _resume_fixed_help(text: str, default: object) -> str:
+    return f"{text} (default: {default}; on --resume: the checkpoint's)"
 
 
 def add_parser(subparsers) -> None:
@@ -20,75 +51,145 @@ def add_parser(subparsers) -> None:
     train = subparsers.add_parser(
         "train",
         help="reverse-text SFT of a tiny Qwen3/Qwen3-MoE (FSDP2, DCP checkpoints)",
-        description=(
-            "Supervised fine-tuning of a tiny random-init Qwen3 / Qwen3-MoE on a synthetic "
-            "reverse-text task, with FSDP2 over N processes and DCP checkpoints. "
-            "'shardmuon train plot RUN.json ... --out curve.png' overlays loss curves."
-        ),
+        description=_DESCRIPTION,
+        formatter_class=HelpFormatter,
     )
-    train.add_argument("--model", default=defaults.model, help="model preset (default %(default)s)")
     train.add_argument(
-        "--num-layers", type=int, default=defaults.num_layers, help="decoder layers (%(default)s)"
+        "--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model preset"
     )
-    train.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
+    train.add_argument(
+        "--layers",
+        dest="num_layers",
+        metavar="N",
+        type=int,
+        default=defaults.num_layers,
+        help="cut the model to this many decoder layers",
+    )
+    add_hidden_alias(train, "--num-layers", "num_layers", type=int)
+    train.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=None,
+        help=_resume_fixed_help("optimizer", defaults.optimizer),
+    )
     train.add_argument(
         "--coefficients",
-        default=defaults.coefficients,
-        help="Newton-Schulz preset: dion, keller, deepseek-v4, polar-express (%(default)s)",
+        choices=sorted(NS_PRESETS),
+        default=None,
+        help=_resume_fixed_help("Newton-Schulz coefficient preset", defaults.coefficients),
     )
-    train.add_argument("--update-rms", type=float, default=defaults.update_rms)
-    train.add_argument("--lr", type=float, default=defaults.lr)
-    train.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    train.add_argument("--mu", type=float, default=defaults.mu, help="Muon momentum")
-    train.add_argument("--nesterov", action="store_true")
-    train.add_argument("--steps", type=int, default=defaults.steps)
-    train.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global")
+    train.add_argument(
+        "--update-rms",
+        type=float,
+        default=None,
+        help=_resume_fixed_help("update RMS of Muon's rms_norm scaling", defaults.update_rms),
+    )
+    train.add_argument(
+        "--lr", type=float, default=None, help=_resume_fixed_help("learning rate", defaults.lr)
+    )
+    train.add_argument(
+        "--weight-decay",
+        type=float,
+        default=None,
+        help=_resume_fixed_help("decoupled weight decay", defaults.weight_decay),
+    )
+    train.add_argument(
+        "--mu", type=float, default=None, help=_resume_fixed_help("Muon momentum", defaults.mu)
+    )
+    train.add_argument(
+        "--nesterov",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=_resume_fixed_help("Nesterov momentum", "off"),
+    )
+    train.add_argument("--steps", type=int, default=defaults.steps, help="train up to this step")
+    train.add_argument(
+        "--batch-size", type=int, default=defaults.batch_size, help="global batch size"
+    )
     train.add_argument("--seed", type=int, default=defaults.seed, help="model init and data")
     train.add_argument("--min-len", type=int, default=defaults.min_len, help="shortest string")
     train.add_argument("--max-len", type=int, default=defaults.max_len, help="longest string")
     train.add_argument("--nproc", type=int, default=defaults.nproc, help="processes (ranks)")
-    train.add_argument("--layout", choices=TRAIN_LAYOUTS, default=defaults.layout)
-    train.add_argument("--checkpoint-dir", default=None)
     train.add_argument(
-        "--checkpoint-every", type=int, default=0, help="save every N steps (0: never)"
+        "--layout", choices=TRAIN_LAYOUTS, default=defaults.layout, help="how params are sharded"
+    )
+    train.add_argument("--checkpoint-dir", metavar="PATH", default=None, help="DCP checkpoints")
+    train.add_argument(
+        "--checkpoint-every",
+        metavar="N",
+        type=int,
+        default=defaults.checkpoint_every,
+        help="save every N steps (0: never)",
     )
     train.add_argument(
         "--resume",
+        metavar="PATH",
         default=None,
-        help="DCP checkpoint dir, or a root of step-* dirs (newest); a file = dion format",
+        help="DCP checkpoint dir, or a root of step-* dirs (the newest undamaged one); "
+        "a file = dion format",
     )
     train.add_argument(
-        "--resume-dion", default=None, help="torch.save file {'model', 'optimizer', 'step'}"
+        "--resume-dion",
+        metavar="PATH",
+        default=None,
+        help="torch.save file {'model', 'optimizer', 'step'}",
     )
     train.add_argument(
-        "--dion-out", default=None, help="also write a dion-format file at the end of the run"
+        "--dion-out",
+        metavar="PATH",
+        default=None,
+        help="also write a dion-format file at the end of the run",
     )
-    train.add_argument("--out", default=None, help="per-step losses: .json or .csv")
-    train.add_argument("--plot", default=None, help="write this run's loss curve to a PNG")
-    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--json", metavar="PATH", default=None, help="write per-step losses and the config here"
+    )
+    train.add_argument("--csv", metavar="PATH", default=None, help="write step,loss rows here")
+    train.add_argument("--plot", metavar="PATH", default=None, help="write the loss curve (PNG)")
+    train.add_argument("--no-progress", dest="quiet", action="store_true", help="no progress bar")
+    add_hidden_alias(train, "--quiet", "quiet", action="store_true")
+    # Deprecated spelling of --json / --csv (by the file's suffix).
+    add_hidden_alias(train, "--out", "deprecated_out")
     train.set_defaults(func=_run_train)
 
     nested = train.add_subparsers(dest="train_command", metavar="{plot}")
-    plot = nested.add_parser("plot", help="overlay loss curves of --out JSON/CSV files")
-    plot.add_argument("runs", nargs="+", help="loss files written by shardmuon train --out")
-    plot.add_argument("--out", required=True, help="PNG to write")
+    plot = nested.add_parser(
+        "plot",
+        help="overlay loss curves of --json (or --csv) files",
+        description="Overlay the loss curves of files written by shardmuon train --json/--csv.",
+        formatter_class=HelpFormatter,
+    )
+    plot.add_argument("runs", nargs="+", help="loss files written by shardmuon train --json")
+    # Not required=True: argparse would not count the --out alias as giving it.
+    plot.add_argument("--plot", metavar="PATH", default=None, help="PNG to write (required)")
+    add_hidden_alias(plot, "--out", "plot")
     plot.add_argument("--labels", nargs="+", default=None, help="one label per run")
-    plot.add_argument("--title", default="reverse-text SFT loss")
+    plot.add_argument("--title", default="reverse-text SFT loss", help="title of the figure")
     plot.add_argument("--linear", action="store_true", help="linear y axis (default: log)")
     plot.set_defaults(func=_run_plot)
 
 
+def _outputs_from_args(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``(json, csv)`` paths, the deprecated ``--out`` going to one of them by its suffix."""
+    json_out, csv_out = args.json, args.csv
+    out = getattr(args, "deprecated_out", None)
+    if out is None:
+        return json_out, csv_out
+    suffix = Path(out).suffix
+    if suffix not in (".json", ".csv"):
+        raise ValueError(f"--out must end in .json or .csv, got {out!r}; use --json or --csv")
+    replacement = "--json" if suffix == ".json" else "--csv"
+    if (json_out if suffix == ".json" else csv_out) is not None:
+        raise ValueError(f"give {replacement} only (--out is its old name)")
+    note(f"shardmuon train: warning: --out is deprecated; use {replacement} {out}")
+    return (out, csv_out) if suffix == ".json" else (json_out, out)
+
+
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
+    json_out, csv_out = _outputs_from_args(args)
+    given = {name for name in RESUME_FIXED if getattr(args, name) is not None}
+    config = TrainConfig(
         model=args.model,
         num_layers=args.num_layers,
-        optimizer=args.optimizer,
-        coefficients=args.coefficients,
-        update_rms=args.update_rms,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        mu=args.mu,
-        nesterov=args.nesterov,
         steps=args.steps,
         batch_size=args.batch_size,
         seed=args.seed,
@@ -101,21 +202,37 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         resume=args.resume,
         resume_dion=args.resume_dion,
         dion_out=args.dion_out,
-        out=args.out,
+        json_out=json_out,
+        csv_out=csv_out,
+        plot_out=args.plot,
         quiet=args.quiet,
+        **{name: getattr(args, name) for name in given},
     )
+    if config.resume and config.resume_dion:
+        raise ValueError("give either --resume or --resume-dion, not both")
+    return adopt_checkpoint_settings(config, given)
+
+
+def _report_outputs(config: TrainConfig, result: TrainResult) -> None:
+    if result.checkpoints:
+        names = [Path(p).name for p in result.checkpoints]
+        shown = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"
+        count = f"{len(names)} checkpoint{'s' if len(names) > 1 else ''}"
+        note_written(config.checkpoint_dir, f"{count} ({shown})")
+    if config.dion_out:
+        note_written(config.dion_out, "dion-format checkpoint")
+    if config.json_out:
+        note_written(config.json_out, "losses and config (JSON)")
+    if config.csv_out:
+        note_written(config.csv_out, "losses (CSV)")
+    if config.plot_out:
+        note_written(config.plot_out, "loss curve (PNG)")
 
 
 def _run_train(args: argparse.Namespace) -> int:
     try:
         config = _config_from_args(args)
         result = run_training(config)
-        if args.plot:
-            if not config.out:
-                raise ValueError("--plot needs --out (the plot is drawn from that file)")
-            from shardmuon.train.plot import plot_runs
-
-            plot_runs([config.out], args.plot)
     except ValueError as err:
         print(f"shardmuon train: error: {err}", file=sys.stderr)
         return 2
@@ -126,6 +243,7 @@ def _run_train(args: argparse.Namespace) -> int:
     )
     for name, value in result.range_means.items():
         print(f"  mean loss steps {name}: {value:.4f}")
+    _report_outputs(config, result)
     return 0
 
 
@@ -133,19 +251,22 @@ def _run_plot(args: argparse.Namespace) -> int:
     from shardmuon.train.plot import plot_runs
 
     try:
+        if args.plot is None:
+            raise ValueError("give --plot PATH, the PNG to write")
+        check_outputs({"--plot": args.plot})
         path = plot_runs(
-            args.runs, args.out, labels=args.labels, title=args.title, log_scale=not args.linear
+            args.runs, args.plot, labels=args.labels, title=args.title, log_scale=not args.linear
         )
     except ValueError as err:
         print(f"shardmuon train plot: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {path}")
+    note_written(path, "loss curves (PNG)")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m shardmuon.train [plot] ...``: parse ``argv`` and run; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="shardmuon")
+    parser = argparse.ArgumentParser(prog="shardmuon", formatter_class=HelpFormatter)
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
     return args.func(args)

@@ -12,8 +12,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardmuon.cli_support import check_outputs, note
 from shardmuon.train import checkpoint as ckpt_io
-from shardmuon.train import dion_format
+from shardmuon.train import dion_format, recovery
 from shardmuon.train.data import (
     IGNORE_INDEX,
     CharTokenizer,
@@ -33,7 +32,7 @@ from shardmuon.train.data import (
     num_target_tokens,
     rank_slice,
 )
-from shardmuon.workers import exit_worker
+from shardmuon.train.resume import recorded_settings, settings_conflicts
 
 OPTIMIZERS = ("muon", "adamw")
 TRAIN_LAYOUTS = ("fsdp", "ep")
@@ -67,7 +66,9 @@ class TrainConfig:
     resume: str | None = None
     resume_dion: str | None = None
     dion_out: str | None = None
-    out: str | None = None
+    json_out: str | None = None
+    csv_out: str | None = None
+    plot_out: str | None = None
     quiet: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -105,13 +106,22 @@ class TrainConfig:
             raise ValueError(f"update_rms must be a finite number > 0, got {self.update_rms!r}")
         if self.resume and self.resume_dion:
             raise ValueError("give either resume or resume_dion, not both")
-        if self.out and Path(self.out).suffix not in (".json", ".csv"):
-            raise ValueError(f"out must end in .json or .csv, got {self.out!r}")
         if self.optimizer == "muon":
             from shardmuon import resolve_coefficients
 
             resolve_coefficients(self.coefficients)
         ReverseTextTask(self.min_len, self.max_len, self.seed)
+        # Last, as it touches the disk; before any work, so that a path that cannot be
+        # written fails now rather than after the training.
+        check_outputs(
+            {
+                "--json": self.json_out,
+                "--csv": self.csv_out,
+                "--plot": self.plot_out,
+                "--dion-out": self.dion_out,
+            },
+            {"--checkpoint-dir": self.checkpoint_dir},
+        )
 
 
 @dataclass
@@ -124,13 +134,15 @@ class TrainResult:
     world_size: int
     seconds: float
     checkpoints: list[str]
+    resumed_from: str | None = None
 
     def to_json(self, config: TrainConfig) -> dict[str, Any]:
-        """JSON-ready dict (the ``--out`` format)."""
+        """JSON-ready dict (the ``--json`` format)."""
         return {
             "config": dataclasses.asdict(config),
             "world_size": self.world_size,
             "start_step": self.start_step,
+            "resumed_from": self.resumed_from,
             "seconds": self.seconds,
             "losses": [{"step": s, "loss": v} for s, v in sorted(self.losses.items())],
             "range_means": self.range_means,
@@ -261,18 +273,18 @@ def _trainer_state(config: TrainConfig, step: int, world: int, losses: dict[int,
     }
 
 
-def _resume(config: TrainConfig, model: nn.Module, optimizer) -> tuple[int, dict[int, float]]:
-    """Load the requested checkpoint; returns (steps already taken, their losses)."""
-    dion_path = config.resume_dion
-    if config.resume and Path(config.resume).is_file():
-        dion_path = config.resume  # auto-detect: a file is a dion-format torch.save
-    if dion_path:
-        blob = dion_format.read_dion_file(dion_path)
+def _resume(
+    config: TrainConfig, model: nn.Module, optimizer, resume_from: str | None
+) -> tuple[int, dict[int, float]]:
+    """Load ``resume_from`` (chosen by :func:`prepare_resume`); returns (steps already taken,
+    their losses)."""
+    if resume_from is None:
+        return 0, {}
+    if Path(resume_from).is_file():
+        blob = dion_format.read_dion_file(resume_from)
         dion_format.load_dion_checkpoint(blob, model, optimizer)
         return dion_format.dion_step(blob), {}
-    if not config.resume:
-        return 0, {}
-    path = ckpt_io.resolve_checkpoint(config.resume)
+    path = Path(resume_from)
     state = ckpt_io.read_trainer_state(path)
     ckpt_io.check_compatible(
         path, ckpt_io.expected_entries(ckpt_io.training_state_dict(model, optimizer))
@@ -281,15 +293,21 @@ def _resume(config: TrainConfig, model: nn.Module, optimizer) -> tuple[int, dict
     return int(state["step"]), {int(k): v for k, v in state.get("losses", {}).items()}
 
 
-def train_on_rank(config: TrainConfig, rank: int, world: int) -> TrainResult:
-    """Run the whole training on this rank (process group already initialised if world > 1)."""
+def train_on_rank(
+    config: TrainConfig, rank: int, world: int, resume_from: str | None = None
+) -> TrainResult:
+    """Run the whole training on this rank (process group already initialised if world > 1).
+
+    ``resume_from``: the checkpoint directory or dion-format file to start from, as
+    :func:`prepare_resume` chose it (every rank loads the same one).
+    """
     device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")
     tokenizer = CharTokenizer()
     task = ReverseTextTask(config.min_len, config.max_len, config.seed)
     model = build_training_model(config, tokenizer).to(device)
     expert_mesh_name = shard_model(model, config.layout) if world > 1 else None
     optimizer = build_optimizer(config, model, expert_mesh_name)
-    start, history = _resume(config, model, optimizer)
+    start, history = _resume(config, model, optimizer, resume_from)
     if start >= config.steps:
         raise ValueError(f"checkpoint is at step {start}, nothing to do for steps={config.steps}")
     if world > 1 and hasattr(optimizer, "warmup"):
@@ -325,7 +343,7 @@ def train_on_rank(config: TrainConfig, rank: int, world: int) -> TrainResult:
         progress.close()
     if config.dion_out:
         dion_format.save_dion_checkpoint(config.dion_out, model, optimizer, config.steps)
-    return TrainResult(losses, range_means(losses), start, world, seconds, saved)
+    return TrainResult(losses, range_means(losses), start, world, seconds, saved, resume_from)
 
 
 class _Progress:
@@ -356,132 +374,95 @@ def _progress(config: TrainConfig, rank: int, start: int) -> _Progress | None:
     return _Progress(config.steps, start)
 
 
-# ---------------------------------------------------------------------------- processes
+# ---------------------------------------------------------------------------- a run
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _threads_per_rank(world: int) -> int:
+def threads_per_rank(world: int) -> int:
+    """Torch threads for each of ``world`` processes sharing this machine's cores."""
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def _worker(rank: int, config: TrainConfig, world: int, port: int, result_file: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(_threads_per_rank(world))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        result = train_on_rank(config, rank, world)
-        if rank == 0:
-            Path(result_file).write_text(json.dumps(dataclasses.asdict(result)))
-    except ValueError as err:
-        # Config / checkpoint errors hit every rank alike; hand the message to the parent.
-        if rank == 0:
-            Path(result_file).write_text(json.dumps({"error": str(err)}))
-        raise
-    finally:
-        dist.destroy_process_group()
-    exit_worker()
+def prepare_resume(config: TrainConfig) -> str | None:
+    """Choose and check what ``config`` resumes from, before any process starts.
 
-
-def _precheck_resume(config: TrainConfig) -> None:
-    """Check the checkpoint against an unsharded copy of the model before starting processes."""
-    if config.resume and Path(config.resume).is_file():
-        dion_format.read_dion_file(config.resume)
-        return
-    if config.resume_dion:
-        dion_format.read_dion_file(config.resume_dion)
-        return
+    Repairs the leftovers of killed saves, picks the checkpoint (a damaged newest one is
+    skipped with a warning), refuses optimizer settings that differ from the checkpoint's
+    (:mod:`.resume`), and checks its tensors against an unsharded copy of this run's model
+    and optimizer. Returns the checkpoint directory or dion-format file, or ``None``.
+    """
+    dion_path = config.resume_dion or (
+        config.resume if config.resume and Path(config.resume).is_file() else None
+    )
+    if dion_path:
+        dion_format.read_dion_file(dion_path)
+        _refuse_changed_settings(config, recorded_settings(config))
+        return dion_path
     if not config.resume:
-        return
-    path = ckpt_io.resolve_checkpoint(config.resume)
-    ckpt_io.read_trainer_state(path)
+        return None
+    selection = recovery.find_checkpoint(config.resume, repair=True)
+    for line in selection.notes:
+        note(f"shardmuon train: {line}")
+    path = selection.path
+    _refuse_changed_settings(config, recorded_settings(config, path))
     model = build_training_model(config, CharTokenizer())
     optimizer = build_optimizer(config, model, EXPERT_MESH_NAME if config.layout == "ep" else None)
     expected = ckpt_io.expected_entries(ckpt_io.training_state_dict(model, optimizer))
     ckpt_io.check_compatible(path, expected)
+    return str(path)
+
+
+def _refuse_changed_settings(config: TrainConfig, recorded: dict[str, Any]) -> None:
+    conflicts = settings_conflicts(config, recorded)
+    if conflicts:
+        raise ValueError(
+            "a resume continues with the checkpoint's optimizer settings; these differ: "
+            + ", ".join(conflicts)
+            + ". Leave them out (they are taken from the checkpoint) or give its values"
+        )
 
 
 def run_training(config: TrainConfig) -> TrainResult:
-    """Validate ``config``, train on ``config.nproc`` processes, write ``config.out``.
+    """Validate ``config``, train on ``config.nproc`` processes, write the requested outputs.
 
-    Raises ValueError (a :class:`~.checkpoint.CheckpointError` for checkpoints) for bad input.
+    Raises ValueError (a :class:`~.checkpoint.CheckpointError` for checkpoints) for bad input,
+    before any training.
     """
     config.validate()
-    _precheck_resume(config)
+    if config.checkpoint_dir:
+        for line in recovery.repair_checkpoints(config.checkpoint_dir):
+            note(f"shardmuon train: {line}")
+    resume_from = prepare_resume(config)
     if config.nproc == 1:
         threads = torch.get_num_threads()
-        torch.set_num_threads(_threads_per_rank(1))
+        torch.set_num_threads(threads_per_rank(1))
         try:
-            result = train_on_rank(config, 0, 1)
+            result = train_on_rank(config, 0, 1, resume_from)
         finally:
             torch.set_num_threads(threads)
     else:
-        result = _spawn(config)
-    if config.out:
-        write_losses(config.out, result, config)
+        from shardmuon.train.launch import spawn_training
+
+        result = spawn_training(config, resume_from)
+    if config.json_out:
+        write_losses(config.json_out, result, config)
+    if config.csv_out:
+        write_losses(config.csv_out, result, config, csv=True)
+    if config.plot_out:
+        from shardmuon.train.plot import plot_curves
+
+        steps = sorted(result.losses)
+        label = Path(config.json_out).stem if config.json_out else "this run"
+        plot_curves([(steps, [result.losses[s] for s in steps], label)], config.plot_out)
     return result
 
 
-# Modules the fork server imports once; each rank then forks from it instead of importing
-# torch and transformers again (seconds per rank on a small CPU machine).
-_PRELOAD = (
-    "torch",
-    "torch.distributed.fsdp",
-    "shardmuon.train.loop",
-    "shardmuon.optimizer",
-    "transformers.models.qwen3.modeling_qwen3",
-    "transformers.models.qwen3_moe.modeling_qwen3_moe",
-)
-
-
-def _start_method() -> str:
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    # A fork server that has never run a torch op is safe to fork from (unlike this
-    # process, whose OpenMP pool may be live).
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(_PRELOAD))
-    return "forkserver"
-
-
-def _spawn(config: TrainConfig) -> TrainResult:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="shardmuon-train-") as tmp:
-        result_file = os.path.join(tmp, "result.json")
-        try:
-            mp.start_processes(
-                _worker,
-                args=(config, config.nproc, _free_port(), result_file),
-                nprocs=config.nproc,
-                join=True,
-                start_method=_start_method(),
-            )
-        except mp.ProcessRaisedException:
-            if os.path.exists(result_file):
-                payload = json.loads(Path(result_file).read_text())
-                if "error" in payload:
-                    raise ValueError(payload["error"]) from None
-            raise
-        payload = json.loads(Path(result_file).read_text())
-    payload["losses"] = {int(k): v for k, v in payload["losses"].items()}
-    return TrainResult(**payload)
-
-
-def write_losses(path: str | os.PathLike, result: TrainResult, config: TrainConfig) -> None:
-    """Per-step losses as JSON (with config and range means) or CSV (``step,loss``)."""
+def write_losses(
+    path: str | os.PathLike, result: TrainResult, config: TrainConfig, *, csv: bool = False
+) -> None:
+    """Per-step losses as JSON (with config and range means) or, with ``csv``, ``step,loss``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".csv":
+    if csv:
         lines = ["step,loss"] + [f"{s},{v!r}" for s, v in sorted(result.losses.items())]
         path.write_text("\n".join(lines) + "\n")
     else:

@@ -1,4 +1,4 @@
-"""Loss-curve PNGs: one or several ``shardmuon train --out run.json`` files overlaid."""
+"""Loss-curve PNGs: one or several ``shardmuon train --json run.json`` files overlaid."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def read_run(path: str | os.PathLike) -> tuple[list[int], list[float], str]:
-    """Steps, losses and a label from a ``--out`` JSON file (or a ``step,loss`` CSV)."""
+    """Steps, losses and a label from a ``--json`` file (or a ``--csv`` ``step,loss`` file)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"loss file {str(path)!r} does not exist")
@@ -23,7 +23,7 @@ def read_run(path: str | os.PathLike) -> tuple[list[int], list[float], str]:
         values = [float(item["loss"]) for item in losses]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise ValueError(
-            f"{str(path)!r} is not a shardmuon train --out file (JSON with 'losses': "
+            f"{str(path)!r} is not a shardmuon train --json file (JSON with 'losses': "
             f"[{{'step', 'loss'}}, ...]): {err}"
         ) from err
     return steps, values, path.stem
@@ -43,14 +43,27 @@ def plot_runs(
     if labels is not None and len(labels) != len(paths):
         raise ValueError(f"got {len(labels)} labels for {len(paths)} loss files")
     runs = [read_run(p) for p in paths]
+    if labels is not None:
+        runs = [(steps, values, label) for (steps, values, _), label in zip(runs, labels)]
+    return plot_curves(runs, out, title=title, log_scale=log_scale)
+
+
+def plot_curves(
+    curves: Sequence[tuple[Sequence[int], Sequence[float], str]],
+    out: str | os.PathLike,
+    *,
+    title: str = "reverse-text SFT loss",
+    log_scale: bool = True,
+) -> Path:
+    """Draw ``(steps, losses, label)`` curves into the PNG ``out``; returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    for i, (steps, values, stem) in enumerate(runs):
-        ax.plot(steps, values, label=labels[i] if labels else stem, linewidth=1.2)
+    for steps, values, label in curves:
+        ax.plot(steps, values, label=label, linewidth=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (mean over target tokens)")
     if log_scale:
