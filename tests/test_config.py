@@ -17,7 +17,6 @@ from shardmuon.config import MuonConfig, build_optimizer
 from shardmuon.optimizer import Muon
 from shardmuon.routing import build_param_groups
 
-
 # Muon keywords a config does not carry: what the model gives (params, partitions through
 # the routing) and dion's mesh and kernel arguments, which Muon accepts and ignores.
 NOT_IN_CONFIG = {
