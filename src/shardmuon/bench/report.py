@@ -146,6 +146,8 @@ def print_legend(legend: Sequence[tuple[str, str]], caption: str | None = None) 
         console.print(caption, markup=False)
     for name, meaning in legend:
         console.print(f"  {name.replace(chr(10), ' ')}: {meaning}", markup=False)
+    if caption or legend:
+        console.print()  # apart from what follows
 
 
 def new_progress(enabled: bool = True):

@@ -1,12 +1,13 @@
 """``shardmuon train``: reverse-text SFT of a tiny Qwen3 / Qwen3-MoE with FSDP2 + DCP checkpoints."""
 
-from shardmuon.train.checkpoint import CheckpointError
+from shardmuon.train.checkpoint import CheckpointError, CorruptCheckpointError
 from shardmuon.train.data import CharTokenizer, ReverseTextTask
 from shardmuon.train.loop import TrainConfig, TrainResult, range_means, run_training
 
 __all__ = [
     "CharTokenizer",
     "CheckpointError",
+    "CorruptCheckpointError",
     "ReverseTextTask",
     "TrainConfig",
     "TrainResult",
