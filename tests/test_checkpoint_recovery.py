@@ -115,6 +115,21 @@ def test_an_explicit_step_dir_lost_in_a_rename_is_recovered(tmp_path):
     assert _weight_fill(selection.path) == 2.0
 
 
+def test_a_root_that_cannot_be_written_is_read_in_place(tmp_path, monkeypatch):
+    import shardmuon.train.recovery as recovery
+
+    _aside, pending = _killed_between_renames(tmp_path, 5)
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(recovery.os, "rename", refuse)
+    monkeypatch.setattr(recovery.shutil, "rmtree", refuse)
+    selection = find_checkpoint(tmp_path, repair=True)
+    assert selection.path == pending
+    assert f"could not rename {pending.name} to step-000005 (Permission denied)" in selection.notes
+
+
 def test_leftovers_of_killed_saves_are_cleaned(tmp_path):
     _save(tmp_path, 4, 1.0)
     kept = _save(tmp_path, 8, 3.0)

@@ -129,12 +129,21 @@ def repair_checkpoints(root: str | os.PathLike) -> list[str]:
     for step, path in sorted(plan.chosen.items()):
         final = root / plan.names[step]
         # An unfinished directory that holds the name is not ours to move: the complete
-        # copy is then used where it is.
-        if path != final and not final.exists():
+        # copy is then used where it is, as it is when the root cannot be written.
+        if path == final or final.exists():
+            continue
+        try:
             os.rename(path, final)
-            notes.append(f"recovered {final.name} from {path.name}, left by a killed save")
+        except OSError as err:
+            notes.append(f"could not rename {path.name} to {final.name} ({err.strerror})")
+            continue
+        notes.append(f"recovered {final.name} from {path.name}, left by a killed save")
     for path in plan.stale:
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            shutil.rmtree(path)
+        except OSError as err:
+            notes.append(f"could not remove {path.name}, left by a killed save ({err.strerror})")
+            continue
         notes.append(f"removed {path.name}, left by a killed save")
     return notes
 
