@@ -369,16 +369,16 @@ def compare_states(
 
 
 def step_by_chunks(opt: Muon) -> None:
-    """One round through ``chunks()``: exchanged batches in reverse, then AdamW, then local.
+    """One round through ``chunks()``: AdamW first, then exchanged batches, then local ones.
 
-    Exchanged batches are collectives, so every rank must take them in the same order; local
-    batches (whose count may differ between ranks) go last.
+    Exchanged batches are collectives: they must go in the order of ``chunks()`` (the
+    optimizer refuses any other); AdamW and local batches may go anywhere.
     """
     chunks = opt.chunks()
     exchanged = [c for c in chunks if isinstance(c, MuonBatch) and c.layout.exchanged]
     local_batches = [c for c in chunks if isinstance(c, MuonBatch) and not c.layout.exchanged]
     adamw = [c for c in chunks if not isinstance(c, MuonBatch)]
-    for chunk in [*reversed(exchanged), *adamw, *local_batches]:
+    for chunk in [*adamw, *exchanged, *local_batches]:
         opt.step_chunk(chunk)
 
 
