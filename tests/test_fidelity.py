@@ -17,14 +17,13 @@ Single process, CPU.
 from __future__ import annotations
 
 import copy
-import io
 import math
-import pickle
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from copies import COPY_METHODS
 from torch import Tensor, nn
 
 import shardmuon.optimizer as optimizer_module
@@ -1337,22 +1336,7 @@ def _copy_opt(params: list[Tensor], partitions: bool = True, **overrides: Any) -
     )
 
 
-def _deepcopy(obj: Any) -> Any:
-    return copy.deepcopy(obj)
-
-
-def _pickle(obj: Any) -> Any:
-    return pickle.loads(pickle.dumps(obj))
-
-
-def _torch_save(obj: Any) -> Any:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
-
-@pytest.mark.parametrize("duplicate", [_deepcopy, _pickle, _torch_save], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("duplicate", COPY_METHODS, ids=lambda f: f.__name__)
 def test_copied_optimizer_steps_like_the_original(duplicate: Callable) -> None:
     params = _copy_params()
     opt = _copy_opt(params)

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import copy
 import io
-import pickle
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from copies import COPY_METHODS
 from torch import Tensor
 from torch.nn import Parameter
 from torch.optim.lr_scheduler import (
@@ -474,22 +474,7 @@ def test_non_dict_entries_in_state_survive_a_round_trip() -> None:
 # ------------------------------------------------------------------------ copies
 
 
-def _deepcopy(opt: Muon) -> Muon:
-    return copy.deepcopy(opt)
-
-
-def _pickle(opt: Muon) -> Muon:
-    return pickle.loads(pickle.dumps(opt))
-
-
-def _torch_save(opt: Muon) -> Muon:
-    buffer = io.BytesIO()
-    torch.save(opt, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
-
-COPIES = [_deepcopy, _pickle, _torch_save]
+COPIES = COPY_METHODS
 COPY_IDS = ["deepcopy", "pickle", "torch.save"]
 COPY_CONFIGS = {
     "default": lambda: {},

@@ -61,9 +61,9 @@ def agreement_groups(batches: Iterable[MuonBatch]) -> list[ShardGroup]:
     return [groups[ranks] for ranks in sorted(groups)]
 
 
-def _describe_group(group: ShardGroup, size: int | None) -> tuple:
-    """A group as the members of another group see it: its size and our index in it."""
-    return () if group is None else (group.size, group.rank_index if size else None)
+def _size_and_index(group: ShardGroup) -> tuple[int, int]:
+    """A group as the members of another group see it: its size and this rank's index."""
+    return group.size, group.rank_index
 
 
 def _value(setting) -> object:
@@ -104,7 +104,7 @@ def describe(
                 batch.eps,
                 batch.replica,
                 # A replica's shard group differs from its peers' only by its ranks.
-                None if as_shard else _describe_group(layout.group, 1),
+                None if as_shard or layout.group is None else _size_and_index(layout.group),
                 (layout.local_rows, layout.local_cols) if as_replica else None,
                 layout.replicas.size if layout.replicas is not None else None,
             )

@@ -58,19 +58,24 @@ def _check_creatable(path: Path, flag: str) -> None:
         raise ValueError(f"{flag} {path}: directory {ancestor} is not writable")
 
 
+def _existing(path: str | os.PathLike, flag: str) -> tuple[Path, bool]:
+    """``path`` as a Path and whether it exists; ValueError for an empty or unreadable path."""
+    out = Path(path)
+    if not str(path):
+        raise ValueError(f"{flag}: the path is empty")
+    try:
+        return out, out.exists()
+    except OSError as err:
+        raise ValueError(f"{flag} {out}: cannot check it: {err.strerror}") from None
+
+
 def check_output_file(path: str | os.PathLike, flag: str) -> Path:
     """Raise ``ValueError`` unless a file can be written at ``path`` (missing dirs are fine).
 
     The message names ``flag``, the path and why: the path is a directory, a parent is a
     file, or the directory (or the existing file) is not writable.
     """
-    out = Path(path)
-    if not str(path):
-        raise ValueError(f"{flag}: the path is empty")
-    try:
-        exists = out.exists()
-    except OSError as err:
-        raise ValueError(f"{flag} {out}: cannot check it: {err.strerror}") from None
+    out, exists = _existing(path, flag)
     if exists:
         if out.is_dir():
             raise ValueError(f"{flag} {out}: is a directory; give a file path")
@@ -85,13 +90,7 @@ def check_output_file(path: str | os.PathLike, flag: str) -> Path:
 
 def check_output_dir(path: str | os.PathLike, flag: str) -> Path:
     """Raise ``ValueError`` unless ``path`` is (or can be created as) a writable directory."""
-    out = Path(path)
-    if not str(path):
-        raise ValueError(f"{flag}: the path is empty")
-    try:
-        exists = out.exists()
-    except OSError as err:
-        raise ValueError(f"{flag} {out}: cannot check it: {err.strerror}") from None
+    out, exists = _existing(path, flag)
     if exists:
         if not out.is_dir():
             raise ValueError(f"{flag} {out}: is a file, not a directory")

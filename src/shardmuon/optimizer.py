@@ -48,7 +48,7 @@ from shardmuon.layout import (
 )
 from shardmuon.newton_schulz import newton_schulz, newton_schulz_unfolded, resolve_coefficients
 from shardmuon.partitions import orthogonalize_blocks
-from shardmuon.plan import AdamWChunk, Plan, build_plan, plan_settings
+from shardmuon.plan import AdamWChunk, Plan, build_plan, plan_settings, setting_float
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.telemetry import StepStats
 from shardmuon.update import direction, momentum_update_, weight_update_
@@ -96,11 +96,6 @@ class _AdamWProgress:
 
 def _nothing() -> None:
     return None
-
-
-def _scalar(value: Any) -> float:
-    """A group setting as a Python float (a 1-element tensor lr included)."""
-    return float(value.item()) if isinstance(value, Tensor) else float(value)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -568,7 +563,7 @@ class Muon(Optimizer):
             momentum_update_(
                 momentum[seg.start : seg.stop],
                 grad[seg.start : seg.stop],
-                _scalar(group["mu"]),
+                setting_float(group["mu"]),
                 False,
             )
             commit()
@@ -588,7 +583,7 @@ class Muon(Optimizer):
                 direction(
                     momentum[seg.start : seg.stop],
                     grad[seg.start : seg.stop],
-                    _scalar(group["mu"]),
+                    setting_float(group["mu"]),
                     bool(group["nesterov"]),
                 ).to(torch.bfloat16)
             )
@@ -666,8 +661,8 @@ class Muon(Optimizer):
             weight_update_(
                 matrices[seg.start : seg.stop],
                 run.results[offset : offset + seg.count],
-                _scalar(group["lr"]),
-                _scalar(group["weight_decay"]),
+                setting_float(group["lr"]),
+                setting_float(group["weight_decay"]),
                 plan.row_scales[seg.param_index],
             )
             commit()
@@ -711,11 +706,11 @@ class Muon(Optimizer):
             [_local(p.grad) for p in params],
             [_local(self.state[p]["momentum"]) for p in params],
             [_local(self.state[p]["variance"]) for p in params],
-            lr=_scalar(group["lr"]),
-            beta1=_scalar(group["beta1"]),
-            beta2=_scalar(group["beta2"]),
-            weight_decay=_scalar(group["weight_decay"]),
-            epsilon=_scalar(group["epsilon"]),
+            lr=setting_float(group["lr"]),
+            beta1=setting_float(group["beta1"]),
+            beta2=setting_float(group["beta2"]),
+            weight_decay=setting_float(group["weight_decay"]),
+            epsilon=setting_float(group["epsilon"]),
             step=int(group["step"]),
             on_param_done=done,
         )
@@ -772,7 +767,7 @@ class Muon(Optimizer):
             segments=segments,
             owners=owners,
             partitions=self._plan.partitions[indices[0]],
-            eps=_scalar(self.param_groups[self._plan.group_of[indices[0]]]["epsilon"]),
+            eps=setting_float(self.param_groups[self._plan.group_of[indices[0]]]["epsilon"]),
         )
         directions = [self._views(i, u.to(torch.bfloat16)) for i, u in zip(indices, U)]
         if layout.exchanged:
@@ -793,7 +788,7 @@ class Muon(Optimizer):
 
     def _batch_signature(self, index: int) -> tuple:
         plan = self._plan
-        eps = _scalar(self.param_groups[plan.group_of[index]]["epsilon"])
+        eps = setting_float(self.param_groups[plan.group_of[index]]["epsilon"])
         return batch_key(plan.layouts[index], plan.params[index].dtype, plan.partitions[index], eps)
 
     # ----------------------------------------------------------- checkpoints

@@ -15,7 +15,7 @@ from torch import Tensor
 from shardmuon.layout import MatrixLayout, MuonBatch, PlanEntry, matrix_layout, plan_batches
 from shardmuon.partitions import check_partitions, dion_group_partitions, row_scales
 
-__all__ = ["AdamWChunk", "Plan", "build_plan", "plan_settings"]
+__all__ = ["AdamWChunk", "Plan", "build_plan", "plan_settings", "setting_float"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def plan_settings(
         (
             group["algorithm"],
             group["adjust_lr"],
-            _as_float(group["epsilon"]),
+            setting_float(group["epsilon"]),
             group["flatten"],
             _hashable(group.get("split_sizes")),
             group.get("num_heads"),
@@ -67,7 +67,8 @@ def plan_settings(
     return groups, partitions, float(update_rms), bool(rotate_owners), bool(split_replicas)
 
 
-def _as_float(value) -> float:
+def setting_float(value) -> float:
+    """A group setting as a Python float (a 1-element tensor, e.g. torch's tensor lr, included)."""
     return float(value.item()) if isinstance(value, Tensor) else float(value)
 
 
@@ -131,7 +132,7 @@ def build_plan(
                 update_rms,
             )
         )
-        entries.append(PlanEntry(index, layout, p.dtype, sizes, _as_float(group["epsilon"])))
+        entries.append(PlanEntry(index, layout, p.dtype, sizes, setting_float(group["epsilon"])))
     batches = plan_batches(entries, rotate_owners=rotate_owners, split_replicas=split_replicas)
     adamw = [AdamWChunk(g) for g, grp in enumerate(param_groups) if grp["algorithm"] == "adamw"]
     return Plan(
