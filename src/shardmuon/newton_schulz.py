@@ -28,6 +28,7 @@ __all__ = [
     "NS_PRESETS",
     "Coefficients",
     "newton_schulz",
+    "newton_schulz_compiled",
     "newton_schulz_reference",
     "newton_schulz_unfolded",
     "resolve_coefficients",
@@ -169,6 +170,26 @@ def newton_schulz(
         X = matmul_add(X, B, X, beta=a, alpha=1.0)
     X = X.reshape(shape)
     return X.mT if transposed else X
+
+
+_compiled_newton_schulz = None
+
+
+def newton_schulz_compiled(
+    G: Tensor,
+    coefficients: str | Sequence[Sequence[float]] | None = None,
+    eps: float = 1e-8,
+) -> Tensor:
+    """:func:`newton_schulz` through ``torch.compile`` (compiled on first use, per shape).
+
+    The counterpart of the seed PR's "compiled NS" rows: the same iteration, but inductor
+    may fuse and reorder, so results are close to, not bitwise equal to, the eager
+    :func:`newton_schulz`; the first call of each shape pays the compilation (seconds).
+    """
+    global _compiled_newton_schulz
+    if _compiled_newton_schulz is None:
+        _compiled_newton_schulz = torch.compile(newton_schulz, dynamic=False)
+    return _compiled_newton_schulz(G, resolve_coefficients(coefficients), eps)
 
 
 def newton_schulz_unfolded(

@@ -23,7 +23,6 @@ same bits.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -46,7 +45,12 @@ from shardmuon.layout import (
     ShardGroup,
     batch_key,
 )
-from shardmuon.newton_schulz import newton_schulz, newton_schulz_unfolded, resolve_coefficients
+from shardmuon.newton_schulz import (
+    newton_schulz,
+    newton_schulz_compiled,
+    newton_schulz_unfolded,
+    resolve_coefficients,
+)
 from shardmuon.partitions import orthogonalize_blocks
 from shardmuon.plan import AdamWChunk, Plan, build_plan, plan_settings, setting_float
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
@@ -63,7 +67,11 @@ from shardmuon.validation import (
 
 __all__ = ["Muon"]
 
-NS_IMPLEMENTATIONS = {"folded": newton_schulz, "unfolded": newton_schulz_unfolded}
+NS_IMPLEMENTATIONS = {
+    "folded": newton_schulz,
+    "unfolded": newton_schulz_unfolded,
+    "compiled": newton_schulz_compiled,
+}
 CHECK_GRADS = ("first", "always", "never")
 
 
@@ -124,8 +132,8 @@ class Muon(Optimizer):
         matrix_partitions: ``{param: (rows_1, ...)}`` for fused weights: blocks along dim -2
             orthogonalized and scaled on their own. An optimizer attribute, not a group key.
         max_in_flight: batches between the gather and the compute phase in ``step()``.
-        newton_schulz_impl: ``"folded"`` (default) or ``"unfolded"`` (dion's bf16 recipe,
-            for benchmarks).
+        newton_schulz_impl: ``"folded"`` (default), ``"unfolded"`` (dion's bf16 recipe,
+            for benchmarks) or ``"compiled"`` (``"folded"`` through ``torch.compile``).
         rotate_owners: continue owners round-robin across batches (``False`` for benchmarks).
         split_replicas: for parameters with a replicate mesh dim (HSDP), let one replica
             orthogonalize each batch and broadcast the result to the others, instead of every
@@ -613,12 +621,13 @@ class Muon(Optimizer):
 
     def _orthogonalize(self, U: Tensor, batch: MuonBatch) -> Tensor:
         """Newton–Schulz on a bf16 ``[N, rows, cols]`` stack, per partition block."""
-        ns = functools.partial(
-            NS_IMPLEMENTATIONS[self.newton_schulz_impl],
-            coefficients=self.coefficients,
-            eps=batch.eps,
-        )
+        implementation = NS_IMPLEMENTATIONS[self.newton_schulz_impl]
         stats = self.last_step_stats
+
+        def ns(X: Tensor) -> Tensor:
+            stats.ns_calls.append((X.size(0), X.size(1), X.size(2)))
+            return implementation(X, self.coefficients, batch.eps)
+
         stats.matrices_orthogonalized += U.size(0)
         stats.owned_shapes.extend([(U.size(1), U.size(2))] * U.size(0))
         return orthogonalize_blocks(U, batch.partitions, ns)

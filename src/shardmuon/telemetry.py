@@ -17,7 +17,10 @@ class StepStats:
     of its own matrix never leaves it); ``bytes_minimum``: what "each non-owner piece to its
     owner and back once, in bf16" requires of this rank; ``owned_shapes``: the
     ``(rows, cols)`` of every matrix this rank orthogonalized; ``replica_bytes_*``: results
-    broadcast to / received from other replicas (``split_replicas=True`` only).
+    broadcast to / received from other replicas (``split_replicas=True`` only);
+    ``ns_calls``: the input shape ``(batch, rows, cols)`` of every Newton–Schulz call this
+    rank made, in order (partition blocks and one-matrix calls as they ran), so a benchmark
+    can time exactly the same calls.
     """
 
     bytes_sent: int = 0
@@ -28,6 +31,7 @@ class StepStats:
     owned_shapes: list[tuple[int, int]] = field(default_factory=list)
     replica_bytes_sent: int = 0
     replica_bytes_received: int = 0
+    ns_calls: list[tuple[int, int, int]] = field(default_factory=list)
 
     def add_traffic(self, send_splits: list[int], recv_splits: list[int], me: int) -> None:
         """Count one all-to-all given its split sizes (elements) and this rank's index."""
