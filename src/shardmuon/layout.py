@@ -40,6 +40,7 @@ __all__ = [
     "Segment",
     "ShardGroup",
     "chunk_sizes",
+    "local_tensor",
     "matrix_layout",
     "plan_batches",
 ]
@@ -143,6 +144,11 @@ class MuonBatch:
         return sum(s.count for s in self.segments)
 
 
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's local tensor of a DTensor; a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def chunk_sizes(n: int, k: int) -> tuple[int, ...]:
     """Sizes of ``Shard`` chunks of ``n`` over ``k`` ranks (``torch.chunk``: ceil(n/k) each)."""
     step = -(-n // k) if n else 0
@@ -184,7 +190,7 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
             f"({dist.get_rank()}); give the optimizer only the parameters this rank holds"
         )
     rows, cols = _global_matrix(param.shape, flatten)
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = local_tensor(param)
     num, local_rows, local_cols = _local_view_shape(local.shape, flatten)
     base = dict(
         rows=rows,

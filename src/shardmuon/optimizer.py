@@ -44,6 +44,7 @@ from shardmuon.layout import (
     Segment,
     ShardGroup,
     batch_key,
+    local_tensor,
 )
 from shardmuon.newton_schulz import (
     newton_schulz,
@@ -104,10 +105,6 @@ class _AdamWProgress:
 
 def _nothing() -> None:
     return None
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Muon(Optimizer):
@@ -378,7 +375,7 @@ class Muon(Optimizer):
     def _device(self) -> torch.device:
         for group in self.param_groups:
             for p in group["params"]:
-                return _local(p).device
+                return local_tensor(p).device
         return torch.device("cpu")
 
     # ----------------------------------------------------------------- stepping
@@ -529,7 +526,7 @@ class Muon(Optimizer):
         A view when the strides allow one, else a copy: only for tensors that are read
         (grads, directions); writes go through :meth:`_writable`.
         """
-        local = _local(tensor)
+        local = local_tensor(tensor)
         layout: MatrixLayout = self._plan.layouts[index]
         return local.reshape(layout.num_matrices, layout.local_rows, layout.local_cols)
 
@@ -540,7 +537,7 @@ class Muon(Optimizer):
         conv weight with ``flatten``, a permuted stack) a contiguous copy whose commit
         writes it back, so every parameter and momentum is really updated.
         """
-        local = _local(tensor)
+        local = local_tensor(tensor)
         layout: MatrixLayout = self._plan.layouts[index]
         shape = (layout.num_matrices, layout.local_rows, layout.local_cols)
         try:
@@ -711,10 +708,10 @@ class Muon(Optimizer):
                 progress.done += 1
 
         adamw_update_(
-            [_local(p) for p in params],
-            [_local(p.grad) for p in params],
-            [_local(self.state[p]["momentum"]) for p in params],
-            [_local(self.state[p]["variance"]) for p in params],
+            [local_tensor(p) for p in params],
+            [local_tensor(p.grad) for p in params],
+            [local_tensor(self.state[p]["momentum"]) for p in params],
+            [local_tensor(self.state[p]["variance"]) for p in params],
             lr=setting_float(group["lr"]),
             beta1=setting_float(group["beta1"]),
             beta2=setting_float(group["beta2"]),
@@ -791,7 +788,7 @@ class Muon(Optimizer):
             results = self._orthogonalize(torch.cat(directions), batch)
         out, offset = [], 0
         for seg, u in zip(segments, U):
-            out.append(results[offset : offset + seg.count].reshape(_local(u).shape))
+            out.append(results[offset : offset + seg.count].reshape(local_tensor(u).shape))
             offset += seg.count
         return out
 
@@ -884,7 +881,10 @@ def _distribute_like(value: Tensor, param: DTensor) -> DTensor:
             f"shape {tuple(param.shape)}"
         )
     return distribute_tensor(
-        value.to(_local(param).device), param.device_mesh, param.placements, src_data_rank=None
+        value.to(local_tensor(param).device),
+        param.device_mesh,
+        param.placements,
+        src_data_rank=None,
     )
 
 
