@@ -46,6 +46,7 @@ class AgreementSettings:
     coefficients: tuple
     newton_schulz_impl: str
     max_in_flight: int
+    workspace_bytes: int
     split_replicas: bool
     rotate_owners: bool
     check_grads: str
@@ -163,7 +164,7 @@ def check_agreement(
                 f"the ranks of process group {list(group.ranks)} disagree on the Muon step: "
                 "they hold different parameters (shapes, placements, order), or different "
                 "settings (lr, weight_decay, mu, nesterov, epsilon, adjust_lr, update_rms, "
-                "Newton–Schulz coefficients, matrix_partitions, max_in_flight, "
+                "Newton–Schulz coefficients, matrix_partitions, max_in_flight, workspace_bytes, "
                 f"split_replicas, check_grads). This rank's matrix shapes: {shapes}. Every "
                 "rank must build and configure the optimizer the same way"
             )

@@ -22,6 +22,7 @@ from torch import nn
 from shardmuon.newton_schulz import resolve_coefficients
 from shardmuon.routing import build_param_groups
 from shardmuon.update import ADJUST_LR_CHOICES
+from shardmuon.workspace import DEFAULT_WORKSPACE_BYTES
 
 if TYPE_CHECKING:
     from shardmuon.optimizer import Muon
@@ -70,6 +71,7 @@ class MuonConfig(BaseModel):
     adjust_lr: str | None = "rms_norm"
     newton_schulz_coefficients: CoefficientSpec = None
     max_in_flight: int = 3
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
     flatten: bool = False
     split_replicas: bool = False
     rotate_owners: bool = True
@@ -144,6 +146,13 @@ class MuonConfig(BaseModel):
     def _max_in_flight(cls, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {value!r}")
+        return value
+
+    @field_validator("workspace_bytes", mode="before")
+    @classmethod
+    def _workspace_bytes(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"workspace_bytes must be an int > 0 (bytes), got {value!r}")
         return value
 
     def muon_kwargs(self) -> dict[str, Any]:

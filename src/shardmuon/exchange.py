@@ -11,8 +11,10 @@ orthogonalizes it (done by the caller, between the phases).
 Phase 3 (return): the owner cuts the result along the same boundaries and a second
 ``all_to_all_single`` with the transposed split sizes sends each rank its piece back.
 
-Each rank owns at most one matrix of a batch (a batch has at most ``k`` matrices), so a
-rank's send buffer is just its pieces ordered by destination rank.
+Each rank owns at most one matrix of a batch (a batch has at most ``k`` matrices) and the
+owners of a batch ascend, so a rank's send buffer is just its pieces in the matrices'
+order, written there directly by the step (no packing copy); with the rows sharded the
+owner's receive buffer is the whole matrix and its result is the return's send buffer.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class BatchExchange:
     stats: StepStats
     _work: dist.Work | None = field(default=None, repr=False)
     _recv: Tensor | None = field(default=None, repr=False)
-    _order: list[int] = field(default_factory=list, repr=False)
+    _device: torch.device | None = field(default=None, repr=False)
 
     @property
     def group(self) -> ShardGroup:
@@ -79,16 +81,20 @@ class BatchExchange:
             splits[owner] = mine
         return splits
 
-    def start_gather(self, pieces: list[Tensor], device: torch.device) -> None:
-        """Send each bf16 piece ``[local_rows, local_cols]`` to its owner (async)."""
-        self._order = sorted(range(len(self.owners)), key=lambda i: self.owners[i])
-        send = _flat_cat([pieces[i] for i in self._order], device)
-        self._launch(send, self._own_piece_splits(), self._piece_splits(), device)
+    def start_gather(self, send: Tensor) -> None:
+        """Send this rank's bf16 pieces (``send``: ``[n, local_rows, local_cols]``, one per
+        matrix, in the matrices' order) to their owners (async).
 
-    def _launch(
-        self, send: Tensor, send_splits: list[int], recv_splits: list[int], device: torch.device
-    ) -> None:
-        self._recv = torch.empty(sum(recv_splits), dtype=torch.bfloat16, device=device)
+        Owners ascend within a batch, so the matrices' order is the destination order
+        ``all_to_all_single`` needs: the buffer is sent as it is, without packing.
+        """
+        if list(self.owners) != sorted(self.owners):
+            raise ValueError(f"owners within a batch must ascend, got {self.owners}")
+        self._device = send.device
+        self._launch(send.reshape(-1), self._own_piece_splits(), self._piece_splits())
+
+    def _launch(self, send: Tensor, send_splits: list[int], recv_splits: list[int]) -> None:
+        self._recv = send.new_empty(sum(recv_splits))
         self._work = dist.all_to_all_single(
             self._recv,
             send,
@@ -100,42 +106,42 @@ class BatchExchange:
         self.stats.add_traffic(send_splits, recv_splits, self.group.rank_index)
 
     def assemble(self) -> Tensor | None:
-        """Wait for the gather; return the owned whole matrix ``[rows, cols]`` (bf16) or None."""
-        self._work.wait()
-        if self.owned is None:
-            return None
-        splits = self._piece_splits()
-        chunks = self._recv.split(splits)
-        pieces = [c.view(self.layout.piece_shape(j)) for j, c in enumerate(chunks)]
-        return torch.cat(pieces, dim=self.layout.shard_axis)
+        """Wait for the gather; return the owned whole matrix ``[rows, cols]`` (bf16) or None.
 
-    def start_return(self, result: Tensor | None, device: torch.device) -> None:
+        With the rows sharded the pieces arrive in rank order, which is the matrix itself:
+        the receive buffer is returned as a view. Column pieces are concatenated.
+        """
+        self._work.wait()
+        self._work = None
+        if self.owned is None:
+            self._recv = None
+            return None
+        layout = self.layout
+        recv, self._recv = self._recv, None
+        if layout.shard_axis == 0:
+            return recv.view(layout.rows, layout.cols)
+        chunks = recv.split(self._piece_splits())
+        pieces = [c.view(layout.piece_shape(j)) for j, c in enumerate(chunks)]
+        return torch.cat(pieces, dim=1)
+
+    def start_return(self, result: Tensor | None) -> None:
         """Send each rank its piece of the owned result (async); ``result`` None if not owner."""
         if result is None:
-            send = torch.empty(0, dtype=torch.bfloat16, device=device)
+            send = torch.empty(0, dtype=torch.bfloat16, device=self._device)
+        elif self.layout.shard_axis == 0:
+            send = result.reshape(-1)  # row pieces in rank order: the matrix itself
         else:
-            cuts = result.split(list(self.layout.piece_sizes), dim=self.layout.shard_axis)
-            send = _flat_cat(list(cuts), device)
-        self._launch(send, self._piece_splits(), self._own_piece_splits(), device)
+            cuts = result.split(list(self.layout.piece_sizes), dim=1)
+            send = torch.cat([c.reshape(-1) for c in cuts])
+        self._launch(send, self._piece_splits(), self._own_piece_splits())
 
-    def finish_return(self) -> list[Tensor]:
-        """Wait for the return; this rank's result pieces, in the matrices' order."""
+    def finish_return(self) -> Tensor:
+        """Wait for the return; this rank's result pieces ``[n * piece]`` (bf16), in the
+        matrices' order."""
         self._work.wait()
-        shape = self.layout.piece_shape(self.group.rank_index)
-        numel = self.layout.piece_numel(self.group.rank_index)
-        if numel == 0:
-            return [self._recv.new_empty(shape) for _ in self.owners]
-        received = [chunk.view(shape) for chunk in self._recv.split(numel)]
-        out: list[Tensor] = [received[0]] * len(self.owners)
-        for position, i in enumerate(self._order):
-            out[i] = received[position]
-        return out
-
-
-def _flat_cat(tensors: list[Tensor], device: torch.device) -> Tensor:
-    if not tensors:
-        return torch.empty(0, dtype=torch.bfloat16, device=device)
-    return torch.cat([t.reshape(-1) for t in tensors])
+        self._work = None
+        recv, self._recv = self._recv, None
+        return recv
 
 
 def warmup_groups(groups: list[ShardGroup], device: torch.device) -> None:

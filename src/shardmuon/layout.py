@@ -26,6 +26,7 @@ its exact size.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,10 +45,6 @@ __all__ = [
     "matrix_layout",
     "plan_batches",
 ]
-
-# Cap on the bf16 bytes of one local (no-communication) batch: bounds the Newton–Schulz
-# workspace (about four buffers of this size) while keeping batches large enough for GEMMs.
-LOCAL_BATCH_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -339,7 +336,8 @@ class _OwnerPicker:
         size = len(self.loads)
         rotation = [(self.cursor + i) % size for i in range(size)]
         chosen = sorted(rotation, key=lambda r: self.loads[r])[:count]
-        owners = tuple(sorted(chosen, key=rotation.index))
+        # Ascending: a rank's send buffer is then its pieces in the matrices' order.
+        owners = tuple(sorted(chosen))
         for r in owners:
             self.loads[r] += cost
         self.cursor = (self.cursor + count) % size
@@ -347,7 +345,10 @@ class _OwnerPicker:
 
 
 def plan_batches(
-    entries: list[PlanEntry], rotate_owners: bool = True, split_replicas: bool = False
+    entries: list[PlanEntry],
+    rotate_owners: bool = True,
+    split_replicas: bool = False,
+    local_batch_size: Callable[[MatrixLayout, tuple[int, ...] | None], int] | None = None,
 ) -> list[MuonBatch]:
     """Group parameters into batches; exchanged batches first (their traffic starts early).
 
@@ -356,6 +357,8 @@ def plan_batches(
     ``rotate_owners=False`` every batch's owners are ranks ``0..len-1`` (a baseline). With
     ``split_replicas``, each batch of a parameter with a replicate dim is given to one replica
     (the least loaded so far, ties round-robin), which orthogonalizes it for all.
+    ``local_batch_size(layout, partitions)`` caps how many matrices one local batch stacks
+    (the workspace budget decides it; default: all of a shape in one batch).
     """
     by_key: dict[tuple, list[PlanEntry]] = {}
     for entry in entries:
@@ -380,9 +383,12 @@ def plan_batches(
                     owners = tuple(range(len(chunk)))
                 exchanged.append(MuonBatch(0, segments=_segments(chunk), owners=owners, **common))
         else:
-            itemsize = 2  # bf16 input of Newton–Schulz
-            per_matrix = max(1, layout.local_rows * layout.local_cols * itemsize)
-            size = max(1, LOCAL_BATCH_BYTES // per_matrix)
+            size = (
+                len(units)
+                if local_batch_size is None
+                else local_batch_size(layout, first.partitions)
+            )
+            size = max(1, size)
             if split_replicas and layout.replicas is not None:
                 # Enough batches that every replica gets a share of this shape's matrices.
                 size = min(size, -(-len(units) // layout.replicas.size))

@@ -135,6 +135,41 @@ def _check_matrix(G: Tensor) -> None:
         )
 
 
+# Elements of one float32 temporary in the normalisation (16 MiB): the fp32 copy of a
+# large matrix is never made whole, only this much of it at a time.
+NORMALIZE_CHUNK_ELEMENTS = 4 * 2**20
+
+
+def _normalized_bf16(X: Tensor, eps: float) -> Tensor:
+    """``X / (||X||_F + eps)`` per matrix of ``X[B, m, n]``, computed in fp32, rounded to bf16.
+
+    The norm is reduced in fp32 (bitwise what ``vector_norm(X.float())`` gives); the
+    division is element-wise, so doing it in slices of at most
+    ``NORMALIZE_CHUNK_ELEMENTS`` elements gives the same bits as doing it whole, while the
+    fp32 temporary stays small. Returns a new contiguous bf16 ``[B, m, n]`` tensor.
+    """
+    if X.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        X = X.float()  # wider inputs are rounded to fp32 first
+    denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    denom.add_(eps)
+    out = torch.empty(X.shape, dtype=torch.bfloat16, device=X.device)
+    batch, rows, cols = X.shape
+    if X.numel() <= NORMALIZE_CHUNK_ELEMENTS:
+        out.copy_(torch.div(X, denom))
+        return out
+    per_matrix = rows * cols
+    if per_matrix <= NORMALIZE_CHUNK_ELEMENTS:
+        step = NORMALIZE_CHUNK_ELEMENTS // per_matrix
+        for b in range(0, batch, step):
+            out[b : b + step].copy_(torch.div(X[b : b + step], denom[b : b + step]))
+        return out
+    step = max(1, NORMALIZE_CHUNK_ELEMENTS // cols)
+    for b in range(batch):
+        for r in range(0, rows, step):
+            out[b, r : r + step].copy_(torch.div(X[b, r : r + step], denom[b]))
+    return out
+
+
 def newton_schulz(
     G: Tensor,
     coefficients: str | Sequence[Sequence[float]] | None = None,
@@ -148,26 +183,36 @@ def newton_schulz(
     one call are processed as one batch, so stack same-shape matrices before calling.
     Results do not depend on which other matrices share the batch (each GEMM of a batch
     is an independent matrix product).
+
+    Memory, for a bf16 input of ``S`` bytes with ``m <= n``: the fp32 normalisation
+    temporaries are at most 2 ``S`` (the norm's reduction) or 16 MiB (the division, in
+    slices); then the iteration holds two ``X`` buffers and ``A``, ``B``
+    (``2 S + 4 B m^2`` bytes, ``B`` matrices), reused across iterations. No fp32 copy of
+    ``X`` lives through the iteration.
     """
     _check_matrix(G)
     coeffs = resolve_coefficients(coefficients)
     if G.numel() == 0:
         return G.to(torch.bfloat16)
     X, transposed = _as_wide(G)
-    X32 = X.float()
-    norm = torch.linalg.vector_norm(X32, dim=(-2, -1), keepdim=True)
-    X = (X32 / (norm + eps)).to(torch.bfloat16)
     X, shape = _as_batch3d(X)
+    X = _normalized_bf16(X, eps)
     # One matrix goes through the 2-D kernels: on CPU, bf16 bmm with a batch of 1 can be
     # several times slower than mm, and both give the same bits per matrix.
     if X.size(0) == 1:
         X, matmul, matmul_add = X[0], torch.mm, torch.addmm
     else:
         matmul, matmul_add = torch.bmm, torch.baddbmm
+    gram_shape = (*X.shape[:-1], X.size(-2))
+    A = X.new_empty(gram_shape)
+    B = X.new_empty(gram_shape)
+    spare = torch.empty_like(X)
     for a, b, c in coeffs:
-        A = matmul(X, X.mT)
-        B = matmul_add(A, A, A, beta=b, alpha=c)
-        X = matmul_add(X, B, X, beta=a, alpha=1.0)
+        matmul(X, X.mT, out=A)
+        matmul_add(A, A, A, beta=b, alpha=c, out=B)
+        matmul_add(X, B, X, beta=a, alpha=1.0, out=spare)
+        X, spare = spare, X
+    del A, B, spare
     X = X.reshape(shape)
     return X.mT if transposed else X
 

@@ -1,62 +1,47 @@
-"""``Muon``: the optimizer class. It plans once and dispatches; the math lives elsewhere.
+"""``Muon``: the optimizer class. It plans and dispatches; the math and the step live elsewhere.
 
-A step runs in three phases per batch (see ``layout.py`` for batches and ``exchange.py``
-for the all-to-alls):
-
-1. *prepare* — momentum ``M = mu*M + G`` on the local shard, the direction ``U``
-   (Nesterov or ``M``) cast to bf16; for exchanged batches the gather all-to-all starts.
-2. *compute* — the owner assembles its whole matrix and runs Newton–Schulz (per block
-   for partitioned matrices); the return all-to-all starts. Local batches run
-   Newton–Schulz on their stack here.
-3. *finish* — with ``split_replicas``, the computing replica broadcasts each rank's result
-   shard over the replicate dim (the other replicas skipped phases 1's exchange and 2);
-   then every rank applies decoupled weight decay and ``X -= lr*scale*O`` to its own shard,
-   in fp32.
-
-``step()`` keeps up to ``max_in_flight`` batches between phases 1 and 2, so all-to-alls
-of later batches overlap Newton–Schulz of earlier ones, and finishes a batch only after
-the next one has been computed, so return traffic overlaps compute too. AdamW groups run
-while the first batches are in flight. ``step_chunk()`` runs the same three phases for one
-chunk synchronously; since every phase is element-wise or per matrix, both give the
-same bits.
+The class is the torch.optim facade: settings and their checks, param groups, state,
+checkpoints, the plan (``plan.py``: layouts, batches, owners, computed once and rebuilt
+when a planned setting changes), the agreement check between ranks (``agreement.py``),
+and rounds of ``step_chunk``. A step's work, batch by batch and phase by phase, is in
+``pipeline.py``; the all-to-alls in ``exchange.py``; the bytes in flight in
+``workspace.py``.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-from shardmuon.adamw import adamw_update_
 from shardmuon.agreement import AgreementSettings, agreement_groups, check_agreement
-from shardmuon.exchange import BatchExchange, warmup_groups
-from shardmuon.layout import (
-    MatrixLayout,
-    MuonBatch,
-    Segment,
-    ShardGroup,
-    batch_key,
-    local_tensor,
-)
+from shardmuon.exchange import warmup_groups
+from shardmuon.layout import MuonBatch, Segment, ShardGroup, batch_key, local_tensor
 from shardmuon.newton_schulz import (
     newton_schulz,
     newton_schulz_compiled,
     newton_schulz_unfolded,
     resolve_coefficients,
 )
-from shardmuon.partitions import orthogonalize_blocks
+from shardmuon.pipeline import (
+    AdamWProgress,
+    BatchRun,
+    StepContext,
+    new_run,
+    orthogonalize_run,
+    run_step,
+    step_adamw,
+    step_batch,
+)
 from shardmuon.plan import AdamWChunk, Plan, build_plan, plan_settings, setting_float
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.telemetry import StepStats
-from shardmuon.update import direction, momentum_update_, weight_update_
 from shardmuon.validation import (
     check_adjust_lr,
     check_grads,
@@ -65,6 +50,7 @@ from shardmuon.validation import (
     check_mesh,
     check_number,
 )
+from shardmuon.workspace import DEFAULT_WORKSPACE_BYTES, batch_bytes
 
 __all__ = ["Muon"]
 
@@ -77,34 +63,6 @@ CHECK_GRADS = ("first", "always", "never")
 
 
 Chunk = MuonBatch | AdamWChunk
-
-
-@dataclass
-class _Run:
-    """A batch between phases: its directions, exchange and results."""
-
-    batch: MuonBatch
-    segments: list[Segment]
-    directions: Tensor | list[Tensor]
-    exchange: BatchExchange | None = None
-    result: Tensor | list[Tensor] | None = None
-    receives_from_replica: bool = False
-    momentum_done: int = 0
-    prepared: bool = False
-    computed: bool = False
-    results: Tensor | None = None
-    finished: int = 0
-
-
-@dataclass
-class _AdamWProgress:
-    """How many parameters of an AdamW chunk were updated (to resume a failed chunk)."""
-
-    done: int = 0
-
-
-def _nothing() -> None:
-    return None
 
 
 class Muon(Optimizer):
@@ -129,6 +87,11 @@ class Muon(Optimizer):
         matrix_partitions: ``{param: (rows_1, ...)}`` for fused weights: blocks along dim -2
             orthogonalized and scaled on their own. An optimizer attribute, not a group key.
         max_in_flight: batches between the gather and the compute phase in ``step()``.
+        workspace_bytes: the budget for the step's transient buffers on each rank (bf16
+            send/receive buffers, gathered matrices, local stacks, Newton–Schulz's
+            buffers; see ``workspace.py``): batches are admitted into flight only while
+            their estimated bytes fit, and local stacks are cut to fit. A single batch
+            larger than the budget runs alone. Default 512 MiB.
         newton_schulz_impl: ``"folded"`` (default), ``"unfolded"`` (dion's bf16 recipe,
             for benchmarks) or ``"compiled"`` (``"folded"`` through ``torch.compile``).
         rotate_owners: continue owners round-robin across batches (``False`` for benchmarks).
@@ -169,6 +132,7 @@ class Muon(Optimizer):
         newton_schulz_coefficients: str | Sequence[Sequence[float]] | None = None,
         matrix_partitions: dict[Tensor, Sequence[int]] | None = None,
         max_in_flight: int = 3,
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
         newton_schulz_impl: str = "folded",
         rotate_owners: bool = True,
         split_replicas: bool = False,
@@ -219,6 +183,7 @@ class Muon(Optimizer):
         self.update_rms = update_rms
         self.coefficients = resolve_coefficients(newton_schulz_coefficients)
         self.max_in_flight = max_in_flight
+        self.workspace_bytes = workspace_bytes
         self.rotate_owners = rotate_owners
         self.split_replicas = split_replicas
         self.check_grads = check_grads
@@ -253,6 +218,11 @@ class Muon(Optimizer):
             raise TypeError(f"max_in_flight must be an int >= 1, got {flight!r}")
         if flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {flight!r}")
+        budget = self.workspace_bytes
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise TypeError(f"workspace_bytes must be an int > 0 (bytes), got {budget!r}")
+        if budget <= 0:
+            raise ValueError(f"workspace_bytes must be an int > 0 (bytes), got {budget!r}")
         if self.newton_schulz_impl not in NS_IMPLEMENTATIONS:
             raise ValueError(
                 f"unknown newton_schulz_impl {self.newton_schulz_impl!r}; accepted: "
@@ -295,6 +265,7 @@ class Muon(Optimizer):
             self.update_rms,
             self.rotate_owners,
             self.split_replicas,
+            self.workspace_bytes,
         )
 
     def _current_settings(self) -> tuple:
@@ -304,6 +275,7 @@ class Muon(Optimizer):
             self.update_rms,
             self.rotate_owners,
             self.split_replicas,
+            self.workspace_bytes,
         )
 
     def _ensure_plan(self) -> None:
@@ -382,7 +354,7 @@ class Muon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step over all chunks, pipelined (see the module docstring).
+        """One optimizer step over all chunks, pipelined (see ``pipeline.py``).
 
         If it raises before the step counters advance (every input check), nothing has
         changed. If it raises after (out of memory in Newton–Schulz, a failed collective),
@@ -400,31 +372,20 @@ class Muon(Optimizer):
                 f"{len(self.chunks())} chunks stepped); step the remaining chunks first"
             )
         self._begin_round()
-        in_flight: deque[_Run] = deque()
-        returning: deque[_Run] = deque()
-        adamw_pending = list(self._plan.adamw)
-        for batch in self._plan.batches:
-            in_flight.append(self._prepare(self._new_run(batch)))
-            if len(in_flight) >= self.max_in_flight:
-                if adamw_pending:
-                    for chunk in adamw_pending:
-                        self._step_adamw(chunk)
-                    adamw_pending = []
-                self._advance(in_flight, returning)
-        for chunk in adamw_pending:
-            self._step_adamw(chunk)
-        while in_flight:
-            self._advance(in_flight, returning)
-        while returning:
-            self._finish(returning.popleft())
+        peak = run_step(self._context(), self.workspace_bytes, self.max_in_flight)
+        self.last_step_stats.workspace_peak_bytes = peak
         return loss
 
-    def _advance(self, in_flight: deque[_Run], returning: deque[_Run]) -> None:
-        run = in_flight.popleft()
-        self._compute(run)
-        returning.append(run)
-        while len(returning) > 1:
-            self._finish(returning.popleft())
+    def _context(self) -> StepContext:
+        return StepContext(
+            plan=self._plan,
+            param_groups=self.param_groups,
+            state=self.state,
+            stats=self.last_step_stats,
+            newton_schulz=NS_IMPLEMENTATIONS[self.newton_schulz_impl],
+            coefficients=self.coefficients,
+            device=self._device(),
+        )
 
     @torch.no_grad()
     def step_chunk(self, chunk: Chunk) -> None:
@@ -466,17 +427,18 @@ class Muon(Optimizer):
             self._begin_round()
             self._round = set()
         progress = self._pending.pop(key, None)
+        ctx = self._context()
         try:
             if isinstance(chunk, AdamWChunk):
-                progress = progress or _AdamWProgress()
-                self._step_adamw(chunk, progress)
+                progress = progress or AdamWProgress()
+                step_adamw(ctx, chunk, progress)
             else:
-                progress = progress or self._new_run(chunk)
-                if not progress.prepared:
-                    self._prepare(progress)
-                if not progress.computed:
-                    self._compute(progress)
-                self._finish(progress)
+                progress = progress or new_run(ctx, chunk)
+                step_batch(ctx, progress)
+                stats = self.last_step_stats
+                stats.workspace_peak_bytes = max(
+                    stats.workspace_peak_bytes, sum(vars(batch_bytes(chunk)).values())
+                )
         except BaseException:
             if progress is not None:
                 self._pending[key] = progress
@@ -506,6 +468,7 @@ class Muon(Optimizer):
             coefficients=tuple(map(tuple, self.coefficients)),
             newton_schulz_impl=self.newton_schulz_impl,
             max_in_flight=self.max_in_flight,
+            workspace_bytes=self.workspace_bytes,
             split_replicas=self.split_replicas,
             rotate_owners=self.rotate_owners,
             check_grads=self.check_grads,
@@ -520,209 +483,6 @@ class Muon(Optimizer):
             self._device(),
         )
 
-    def _views(self, index: int, tensor: Tensor) -> Tensor:
-        """The ``[N, rows, cols]`` view of Muon parameter ``index``'s local shard (or state).
-
-        A view when the strides allow one, else a copy: only for tensors that are read
-        (grads, directions); writes go through :meth:`_writable`.
-        """
-        local = local_tensor(tensor)
-        layout: MatrixLayout = self._plan.layouts[index]
-        return local.reshape(layout.num_matrices, layout.local_rows, layout.local_cols)
-
-    def _writable(self, index: int, tensor: Tensor) -> tuple[Tensor, Callable[[], None]]:
-        """``[N, rows, cols]`` matrices of a tensor that is updated in place, and a commit.
-
-        A view when the strides allow (the commit does nothing); otherwise (a channels_last
-        conv weight with ``flatten``, a permuted stack) a contiguous copy whose commit
-        writes it back, so every parameter and momentum is really updated.
-        """
-        local = local_tensor(tensor)
-        layout: MatrixLayout = self._plan.layouts[index]
-        shape = (layout.num_matrices, layout.local_rows, layout.local_cols)
-        try:
-            return local.view(shape), _nothing
-        except RuntimeError:
-            matrices = local.reshape(shape)
-            return matrices, lambda: local.copy_(matrices.view(local.shape))
-
-    def _new_run(self, batch: MuonBatch) -> _Run:
-        """A batch about to be prepared: the segments that have grads on this rank."""
-        plan = self._plan
-        segments = [s for s in batch.segments if plan.params[s.param_index].grad is not None]
-        return _Run(batch, segments, None, receives_from_replica=_receives_from_replica(batch))
-
-    def _prepare(self, run: _Run) -> _Run:
-        """Phase 1: momentum and directions; the gather starts for exchanged batches.
-
-        Resumable: ``run.momentum_done`` counts the segments whose momentum is updated; a
-        retry recomputes their directions from the momentum instead of updating it again.
-        """
-        plan = self._plan
-        batch = run.batch
-        for seg in run.segments[run.momentum_done :]:
-            p = plan.params[seg.param_index]
-            group = self.param_groups[plan.group_of[seg.param_index]]
-            momentum, commit = self._writable(seg.param_index, self.state[p]["momentum"])
-            grad = self._views(seg.param_index, p.grad)
-            momentum_update_(
-                momentum[seg.start : seg.stop],
-                grad[seg.start : seg.stop],
-                setting_float(group["mu"]),
-                False,
-            )
-            commit()
-            run.momentum_done += 1
-        stats = self.last_step_stats
-        stats.num_batches += 1
-        if run.receives_from_replica:
-            run.prepared = True
-            return run
-        directions = []
-        for seg in run.segments:
-            p = plan.params[seg.param_index]
-            group = self.param_groups[plan.group_of[seg.param_index]]
-            momentum = self._views(seg.param_index, self.state[p]["momentum"])
-            grad = self._views(seg.param_index, p.grad)
-            directions.append(
-                direction(
-                    momentum[seg.start : seg.stop],
-                    grad[seg.start : seg.stop],
-                    setting_float(group["mu"]),
-                    bool(group["nesterov"]),
-                ).to(torch.bfloat16)
-            )
-        if not batch.layout.exchanged:
-            run.directions = (
-                None
-                if not directions
-                else directions[0]
-                if len(directions) == 1
-                else torch.cat(directions)
-            )
-            run.prepared = True
-            return run
-        pieces = [d for block in directions for d in block.unbind(0)]
-        owners = self._active_owners(batch, run.segments)
-        exchange = BatchExchange(batch.layout, owners, stats)
-        exchange.start_gather(pieces, self._device())
-        stats.bytes_minimum += exchange.minimum_bytes()
-        run.directions, run.exchange = pieces, exchange
-        run.prepared = True
-        return run
-
-    def _active_owners(self, batch: MuonBatch, segments: list[Segment]) -> tuple[int, ...]:
-        active = {(s.param_index, i) for s in segments for i in range(s.start, s.stop)}
-        units = [(s.param_index, i) for s in batch.segments for i in range(s.start, s.stop)]
-        return tuple(o for u, o in zip(units, batch.owners) if u in active)
-
-    def _orthogonalize(self, U: Tensor, batch: MuonBatch) -> Tensor:
-        """Newton–Schulz on a bf16 ``[N, rows, cols]`` stack, per partition block."""
-        implementation = NS_IMPLEMENTATIONS[self.newton_schulz_impl]
-        stats = self.last_step_stats
-
-        def ns(X: Tensor) -> Tensor:
-            stats.ns_calls.append((X.size(0), X.size(1), X.size(2)))
-            return implementation(X, self.coefficients, batch.eps)
-
-        stats.matrices_orthogonalized += U.size(0)
-        stats.owned_shapes.extend([(U.size(1), U.size(2))] * U.size(0))
-        return orthogonalize_blocks(U, batch.partitions, ns)
-
-    def _compute(self, run: _Run) -> None:
-        """Phase 2: Newton–Schulz (the owner's matrix, or the local stack); return starts."""
-        if run.receives_from_replica:
-            run.computed = True
-            return
-        if run.exchange is None:
-            if run.directions is not None:
-                run.result = self._orthogonalize(run.directions, run.batch)
-            run.computed = True
-            return
-        whole = run.exchange.assemble()
-        result = None if whole is None else self._orthogonalize(whole[None], run.batch)[0]
-        run.exchange.start_return(result, self._device())
-        run.computed = True
-
-    def _finish(self, run: _Run) -> None:
-        """Phase 3: decay and update of this rank's shard (results shared across replicas).
-
-        Resumable: the results are fetched once and segments already updated are skipped.
-        """
-        plan = self._plan
-        if run.results is None:
-            if run.exchange is not None:
-                pieces = run.exchange.finish_return()
-                results = torch.stack(pieces) if pieces else None
-            else:
-                results = run.result
-            if run.batch.replica is not None and run.segments:
-                results = self._share_with_replicas(run, results)
-            run.results = results
-        offset = sum(seg.count for seg in run.segments[: run.finished])
-        for seg in run.segments[run.finished :]:
-            p = plan.params[seg.param_index]
-            group = self.param_groups[plan.group_of[seg.param_index]]
-            matrices, commit = self._writable(seg.param_index, p)
-            weight_update_(
-                matrices[seg.start : seg.stop],
-                run.results[offset : offset + seg.count],
-                setting_float(group["lr"]),
-                setting_float(group["weight_decay"]),
-                plan.row_scales[seg.param_index],
-            )
-            commit()
-            offset += seg.count
-            run.finished += 1
-
-    def _share_with_replicas(self, run: _Run, results: Tensor | None) -> Tensor:
-        """Broadcast this rank's bf16 results ``[N, r, c]`` from the computing replica."""
-        layout = run.batch.layout
-        replicas = layout.replicas
-        shape = (sum(s.count for s in run.segments), layout.local_rows, layout.local_cols)
-        if run.receives_from_replica:
-            buffer = torch.empty(shape, dtype=torch.bfloat16, device=self._device())
-        else:
-            buffer = results.contiguous()
-        if buffer.numel() == 0:  # an empty shard: every replica knows, nothing to send
-            return buffer
-        src = replicas.ranks[run.batch.replica]
-        dist.broadcast(buffer, src=src, group=replicas.process_group)
-        stats = self.last_step_stats
-        nbytes = buffer.numel() * buffer.element_size()
-        if run.receives_from_replica:
-            stats.replica_bytes_received += nbytes
-        else:
-            stats.replica_bytes_sent += nbytes * (replicas.size - 1)
-        return buffer
-
-    def _step_adamw(self, chunk: AdamWChunk, progress: _AdamWProgress | None = None) -> None:
-        """AdamW on one group; ``progress`` counts the parameters done (for a resumed chunk)."""
-        group = self.param_groups[chunk.group_index]
-        params = [p for p in group["params"] if p.grad is not None]
-        start = progress.done if progress is not None else 0
-        params = params[start:]
-
-        def done(_: int) -> None:
-            if progress is not None:
-                progress.done += 1
-
-        adamw_update_(
-            [local_tensor(p) for p in params],
-            [local_tensor(p.grad) for p in params],
-            [local_tensor(self.state[p]["momentum"]) for p in params],
-            [local_tensor(self.state[p]["variance"]) for p in params],
-            lr=setting_float(group["lr"]),
-            beta1=setting_float(group["beta1"]),
-            beta2=setting_float(group["beta2"]),
-            weight_decay=setting_float(group["weight_decay"]),
-            epsilon=setting_float(group["epsilon"]),
-            step=int(group["step"]),
-            on_param_done=done,
-        )
-
-    # ----------------------------------------------------- orthogonalize only
-
     @torch.no_grad()
     def orthogonalize_chunk(
         self, params: Sequence[Tensor], U: Sequence[Tensor], first_owner: int = 0
@@ -731,8 +491,9 @@ class Muon(Optimizer):
 
         ``params``: Muon parameters of one layout (one batch's worth: at most the shard-group
         size of matrices when exchanged); ``U[i]``: a local tensor shaped like
-        ``params[i]``'s local shard. Returns the bf16 results, shaped like ``U``. The owner of
-        the ``j``-th matrix is ``(first_owner + j) % k``. Collective over the shard group.
+        ``params[i]``'s local shard. Returns the bf16 results, shaped like ``U``. The owners
+        are ranks ``first_owner, first_owner + 1, ...`` (mod ``k``), given to the matrices
+        in ascending rank order. Collective over the shard group.
         """
         self._ensure_plan()
         if len(params) != len(U) or not params:
@@ -766,7 +527,7 @@ class Muon(Optimizer):
                     f"orthogonalize_chunk got {count} matrices for a shard group of {k} ranks; "
                     f"pass at most {k}"
                 )
-            owners = tuple((first_owner + j) % k for j in range(count))
+            owners = tuple(sorted((first_owner + j) % k for j in range(count)))
         batch = MuonBatch(
             -1,
             layout=layout,
@@ -775,17 +536,10 @@ class Muon(Optimizer):
             partitions=self._plan.partitions[indices[0]],
             eps=setting_float(self.param_groups[self._plan.group_of[indices[0]]]["epsilon"]),
         )
-        directions = [self._views(i, u.to(torch.bfloat16)) for i, u in zip(indices, U)]
-        if layout.exchanged:
-            exchange = BatchExchange(layout, owners, self.last_step_stats)
-            exchange.start_gather([m for d in directions for m in d.unbind(0)], self._device())
-            whole = exchange.assemble()
-            result = None if whole is None else self._orthogonalize(whole[None], batch)[0]
-            exchange.start_return(result, self._device())
-            flat = exchange.finish_return()
-            results = torch.stack(flat) if flat else torch.empty(0)
-        else:
-            results = self._orthogonalize(torch.cat(directions), batch)
+        ctx = self._context()
+        run = BatchRun(batch, segments, receives_from_replica=False)
+        run.buffer = torch.cat([ctx.matrices(i, u.to(torch.bfloat16)) for i, u in zip(indices, U)])
+        results = orthogonalize_run(ctx, run)
         out, offset = [], 0
         for seg, u in zip(segments, U):
             out.append(results[offset : offset + seg.count].reshape(local_tensor(u).shape))
@@ -850,6 +604,7 @@ class Muon(Optimizer):
             "update_rms": self.update_rms,
             "coefficients": self.coefficients,
             "max_in_flight": self.max_in_flight,
+            "workspace_bytes": self.workspace_bytes,
             "rotate_owners": self.rotate_owners,
             "split_replicas": self.split_replicas,
             "check_grads": self.check_grads,
@@ -891,9 +646,3 @@ def _distribute_like(value: Tensor, param: DTensor) -> DTensor:
 def _communicates(chunk: Chunk) -> bool:
     """Whether stepping ``chunk`` runs a collective (an all-to-all or a replica broadcast)."""
     return isinstance(chunk, MuonBatch) and (chunk.layout.exchanged or chunk.replica is not None)
-
-
-def _receives_from_replica(batch: MuonBatch) -> bool:
-    """Whether another replica orthogonalizes ``batch`` for this rank."""
-    replicas = batch.layout.replicas
-    return batch.replica is not None and batch.replica != replicas.rank_index

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from shardmuon.layout import MatrixLayout, MuonBatch, PlanEntry, matrix_layout, plan_batches
 from shardmuon.partitions import check_partitions, dion_group_partitions, row_scales
+from shardmuon.workspace import DEFAULT_WORKSPACE_BYTES, local_batch_size
 
 __all__ = ["AdamWChunk", "Plan", "build_plan", "plan_settings", "setting_float"]
 
@@ -44,6 +45,7 @@ def plan_settings(
     update_rms: float,
     rotate_owners: bool,
     split_replicas: bool,
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
 ) -> tuple:
     """Everything a plan is built from, as a comparable value.
 
@@ -64,7 +66,14 @@ def plan_settings(
         for group in param_groups
     )
     partitions = tuple((id(p), _hashable(sizes)) for p, sizes in matrix_partitions.items())
-    return groups, partitions, float(update_rms), bool(rotate_owners), bool(split_replicas)
+    return (
+        groups,
+        partitions,
+        float(update_rms),
+        bool(rotate_owners),
+        bool(split_replicas),
+        int(workspace_bytes),
+    )
 
 
 def setting_float(value) -> float:
@@ -82,8 +91,12 @@ def build_plan(
     update_rms: float,
     rotate_owners: bool,
     split_replicas: bool = False,
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
 ) -> Plan:
-    """Read every Muon parameter's layout and partitions and cut the batches (once)."""
+    """Read every Muon parameter's layout and partitions and cut the batches (once).
+
+    Local stacks are cut so that one batch fits ``workspace_bytes`` (see ``workspace.py``).
+    """
     muon_params: list[tuple[int, Tensor]] = []
     positions: list[int] = []
     for g, group in enumerate(param_groups):
@@ -133,7 +146,11 @@ def build_plan(
             )
         )
         entries.append(PlanEntry(index, layout, p.dtype, sizes, setting_float(group["epsilon"])))
-    batches = plan_batches(entries, rotate_owners=rotate_owners, split_replicas=split_replicas)
+
+    def local_size(layout: MatrixLayout, partitions: tuple[int, ...] | None) -> int:
+        return local_batch_size(layout.local_rows, layout.local_cols, partitions, workspace_bytes)
+
+    batches = plan_batches(entries, rotate_owners, split_replicas, local_size)
     adamw = [AdamWChunk(g) for g, grp in enumerate(param_groups) if grp["algorithm"] == "adamw"]
     return Plan(
         params=[p for _, p in muon_params],

@@ -1,0 +1,379 @@
+"""The step pipeline: each Muon batch through *prepare*, *compute* and *finish*.
+
+1. *prepare* — momentum ``M = mu*M + G`` on the local shard; the direction (Nesterov's
+   ``mu*M + G`` or ``M``) is written, rounded to bf16, straight into the batch's buffer:
+   the all-to-all send buffer of an exchanged batch (pieces in owner order, which is the
+   matrices' order: owners within a batch ascend), or the stack of a local batch. The
+   gather starts.
+2. *compute* — the owner reads its whole matrix from the receive buffer (no copy when the
+   rows are sharded), runs Newton–Schulz (per partition block) and sends each rank its
+   piece of the result; local batches run Newton–Schulz on their stack.
+3. *finish* — with ``split_replicas``, the computing replica broadcasts each rank's result
+   shard over the replicate dim; every rank applies decoupled weight decay and
+   ``X -= lr*scale*O`` to its own shard, reading the results where they were received.
+
+:func:`run_step` runs every batch in the order :func:`shardmuon.workspace.schedule`
+gives: several batches in flight (all-to-alls overlap Newton–Schulz), bounded by
+``max_in_flight`` and by the workspace budget in bytes. ``step_chunk`` runs the same
+phases for one chunk; each phase is element-wise or per matrix, so both give the same
+bits. Every phase is resumable (a failed chunk retried does not update anything twice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from shardmuon.adamw import adamw_update_
+from shardmuon.exchange import BatchExchange
+from shardmuon.layout import MuonBatch, Segment, local_tensor
+from shardmuon.partitions import orthogonalize_blocks
+from shardmuon.plan import AdamWChunk, Plan, setting_float
+from shardmuon.telemetry import StepStats
+from shardmuon.update import direction, momentum_update_, weight_update_
+from shardmuon.workspace import batch_bytes, schedule
+
+__all__ = [
+    "AdamWProgress",
+    "BatchRun",
+    "StepContext",
+    "new_run",
+    "orthogonalize_run",
+    "run_step",
+    "step_adamw",
+    "step_batch",
+]
+
+NewtonSchulzFn = Callable[..., Tensor]
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """A param group's per-step settings as Python numbers (read once per round)."""
+
+    lr: float
+    weight_decay: float
+    mu: float
+    nesterov: bool
+
+
+@dataclass
+class StepContext:
+    """What the phases read: the plan, the groups, the state, where the telemetry goes."""
+
+    plan: Plan
+    param_groups: list[dict]
+    state: dict
+    stats: StepStats
+    newton_schulz: NewtonSchulzFn
+    coefficients: tuple
+    device: torch.device
+    settings: list[GroupSettings] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.settings = [
+            GroupSettings(
+                lr=setting_float(g["lr"]),
+                weight_decay=setting_float(g["weight_decay"]),
+                mu=setting_float(g.get("mu", 0.0)),
+                nesterov=bool(g.get("nesterov", False)),
+            )
+            for g in self.param_groups
+        ]
+
+    def group_settings(self, param_index: int) -> GroupSettings:
+        return self.settings[self.plan.group_of[param_index]]
+
+    def matrices(self, index: int, tensor: Tensor) -> Tensor:
+        """The ``[N, rows, cols]`` view of Muon parameter ``index``'s local shard (or state).
+
+        A view when the strides allow, else a copy: for tensors that are only read.
+        """
+        layout = self.plan.layouts[index]
+        shape = (layout.num_matrices, layout.local_rows, layout.local_cols)
+        return local_tensor(tensor).reshape(shape)
+
+    def writable(self, index: int, tensor: Tensor) -> tuple[Tensor, Callable[[], None]]:
+        """``[N, rows, cols]`` matrices of a tensor updated in place, and a commit.
+
+        A view when the strides allow (the commit does nothing); otherwise (a channels_last
+        conv weight with ``flatten``, a permuted stack) a contiguous copy that the commit
+        writes back, so every parameter and momentum is really updated.
+        """
+        local = local_tensor(tensor)
+        layout = self.plan.layouts[index]
+        shape = (layout.num_matrices, layout.local_rows, layout.local_cols)
+        try:
+            return local.view(shape), _nothing
+        except RuntimeError:
+            matrices = local.reshape(shape)
+            return matrices, lambda: local.copy_(matrices.view(local.shape))
+
+    def orthogonalize(self, U: Tensor, batch: MuonBatch) -> Tensor:
+        """Newton–Schulz on a bf16 ``[N, rows, cols]`` stack, per partition block."""
+        stats = self.stats
+        stats.matrices_orthogonalized += U.size(0)
+        stats.owned_shapes.extend([(U.size(1), U.size(2))] * U.size(0))
+
+        def ns(X: Tensor) -> Tensor:
+            stats.ns_calls.append((X.size(0), X.size(1), X.size(2)))
+            return self.newton_schulz(X, self.coefficients, batch.eps)
+
+        return orthogonalize_blocks(U, batch.partitions, ns)
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass
+class BatchRun:
+    """One batch between phases on this rank, with what is done (to resume a failed chunk)."""
+
+    batch: MuonBatch
+    segments: list[Segment]
+    receives_from_replica: bool
+    buffer: Tensor | None = None  # bf16 directions: the send buffer or the local stack
+    exchange: BatchExchange | None = None
+    results: Tensor | None = None  # bf16 [n, local_rows, local_cols] for this rank
+    results_ready: bool = False  # received (and shared across replicas)
+    momentum_done: int = 0
+    prepared: bool = False
+    computed: bool = False
+    finished: int = 0
+
+    @property
+    def count(self) -> int:
+        return sum(s.count for s in self.segments)
+
+
+@dataclass
+class AdamWProgress:
+    """How many parameters of an AdamW chunk were updated (to resume a failed chunk)."""
+
+    done: int = 0
+
+
+def new_run(ctx: StepContext, batch: MuonBatch) -> BatchRun:
+    """A batch about to be prepared: the segments that have grads on this rank."""
+    params = ctx.plan.params
+    segments = [s for s in batch.segments if params[s.param_index].grad is not None]
+    replicas = batch.layout.replicas
+    from_replica = batch.replica is not None and batch.replica != replicas.rank_index
+    return BatchRun(batch, segments, receives_from_replica=from_replica)
+
+
+def _active_owners(batch: MuonBatch, segments: list[Segment]) -> tuple[int, ...]:
+    active = {(s.param_index, i) for s in segments for i in range(s.start, s.stop)}
+    units = [(s.param_index, i) for s in batch.segments for i in range(s.start, s.stop)]
+    return tuple(o for u, o in zip(units, batch.owners) if u in active)
+
+
+def _update_momentum(ctx: StepContext, run: BatchRun) -> None:
+    plan = ctx.plan
+    for seg in run.segments[run.momentum_done :]:
+        p = plan.params[seg.param_index]
+        momentum, commit = ctx.writable(seg.param_index, ctx.state[p]["momentum"])
+        grad = ctx.matrices(seg.param_index, p.grad)
+        momentum_update_(
+            momentum[seg.start : seg.stop],
+            grad[seg.start : seg.stop],
+            ctx.group_settings(seg.param_index).mu,
+            False,
+        )
+        commit()
+        run.momentum_done += 1
+
+
+def write_directions(ctx: StepContext, run: BatchRun, out: Tensor) -> None:
+    """Each segment's direction, rounded to bf16, into consecutive matrices of ``out``."""
+    plan = ctx.plan
+    offset = 0
+    for seg in run.segments:
+        p = plan.params[seg.param_index]
+        settings = ctx.group_settings(seg.param_index)
+        momentum = ctx.matrices(seg.param_index, ctx.state[p]["momentum"])[seg.start : seg.stop]
+        target = out[offset : offset + seg.count]
+        if settings.nesterov:
+            grad = ctx.matrices(seg.param_index, p.grad)[seg.start : seg.stop]
+            target.copy_(direction(momentum, grad, settings.mu, True))
+        else:
+            target.copy_(momentum)
+        offset += seg.count
+
+
+def _buffer_shape(run: BatchRun) -> tuple[int, int, int]:
+    layout = run.batch.layout
+    return (run.count, layout.local_rows, layout.local_cols)
+
+
+def prepare(ctx: StepContext, run: BatchRun) -> None:
+    """Phase 1: momentum, the bf16 directions in the batch's buffer; the gather starts."""
+    _update_momentum(ctx, run)
+    ctx.stats.num_batches += 1
+    if not run.receives_from_replica and run.segments:
+        buffer = torch.empty(_buffer_shape(run), dtype=torch.bfloat16, device=ctx.device)
+        write_directions(ctx, run, buffer)
+        run.buffer = buffer
+        start_gather(ctx, run)
+    run.prepared = True
+
+
+def start_gather(ctx: StepContext, run: BatchRun) -> None:
+    """Start the all-to-all of an exchanged batch whose ``buffer`` holds its directions."""
+    if not run.batch.layout.exchanged:
+        return
+    owners = _active_owners(run.batch, run.segments)
+    run.exchange = BatchExchange(run.batch.layout, owners, ctx.stats)
+    ctx.stats.bytes_minimum += run.exchange.minimum_bytes()
+    run.exchange.start_gather(run.buffer)
+
+
+def compute(ctx: StepContext, run: BatchRun) -> None:
+    """Phase 2: Newton–Schulz (the owner's matrix, or the local stack); the return starts."""
+    if run.exchange is not None:
+        whole = run.exchange.assemble()
+        run.buffer = None  # the send buffer is no longer needed
+        result = None if whole is None else ctx.orthogonalize(whole[None], run.batch)[0]
+        del whole
+        run.exchange.start_return(result)
+    elif run.buffer is not None:
+        run.results = ctx.orthogonalize(run.buffer, run.batch)
+        run.buffer = None
+    run.computed = True
+
+
+def _results(ctx: StepContext, run: BatchRun) -> Tensor | None:
+    """This rank's bf16 results ``[n, local_rows, local_cols]``, where they were received."""
+    if run.exchange is not None:
+        results = run.exchange.finish_return().view(_buffer_shape(run))
+        run.exchange = None
+    else:
+        results = run.results
+    if run.batch.replica is not None and run.segments:
+        results = share_with_replicas(ctx, run, results)
+    return results
+
+
+def finish(ctx: StepContext, run: BatchRun) -> None:
+    """Phase 3: decay and update of this rank's shard, reading the results in place.
+
+    Resumable: the results are fetched once and segments already updated are skipped.
+    """
+    plan = ctx.plan
+    if not run.results_ready:
+        run.results = _results(ctx, run)
+        run.results_ready = True
+    offset = sum(seg.count for seg in run.segments[: run.finished])
+    for seg in run.segments[run.finished :]:
+        p = plan.params[seg.param_index]
+        settings = ctx.group_settings(seg.param_index)
+        matrices, commit = ctx.writable(seg.param_index, p)
+        weight_update_(
+            matrices[seg.start : seg.stop],
+            run.results[offset : offset + seg.count],
+            settings.lr,
+            settings.weight_decay,
+            plan.row_scales[seg.param_index],
+        )
+        commit()
+        offset += seg.count
+        run.finished += 1
+    run.results = None
+
+
+def share_with_replicas(ctx: StepContext, run: BatchRun, results: Tensor | None) -> Tensor:
+    """Broadcast this rank's bf16 results ``[N, r, c]`` from the computing replica."""
+    replicas = run.batch.layout.replicas
+    if run.receives_from_replica:
+        buffer = torch.empty(_buffer_shape(run), dtype=torch.bfloat16, device=ctx.device)
+    else:
+        buffer = results.contiguous()
+    if buffer.numel() == 0:  # an empty shard: every replica knows, nothing to send
+        return buffer
+    dist.broadcast(buffer, src=replicas.ranks[run.batch.replica], group=replicas.process_group)
+    nbytes = buffer.numel() * buffer.element_size()
+    if run.receives_from_replica:
+        ctx.stats.replica_bytes_received += nbytes
+    else:
+        ctx.stats.replica_bytes_sent += nbytes * (replicas.size - 1)
+    return buffer
+
+
+def orthogonalize_run(ctx: StepContext, run: BatchRun) -> Tensor:
+    """Exchange and orthogonalize the directions already in ``run.buffer``; no momentum, no
+    update. Returns this rank's bf16 results ``[n, local_rows, local_cols]``."""
+    start_gather(ctx, run)
+    compute(ctx, run)
+    return _results(ctx, run)
+
+
+def step_batch(ctx: StepContext, run: BatchRun) -> None:
+    """All three phases of one batch, resuming after the last phase that completed."""
+    if not run.prepared:
+        prepare(ctx, run)
+    if not run.computed:
+        compute(ctx, run)
+    finish(ctx, run)
+
+
+def step_adamw(ctx: StepContext, chunk: AdamWChunk, progress: AdamWProgress | None = None) -> None:
+    """AdamW on one group; ``progress`` counts the parameters done (for a resumed chunk)."""
+    group = ctx.param_groups[chunk.group_index]
+    params = [p for p in group["params"] if p.grad is not None]
+    start = progress.done if progress is not None else 0
+    params = params[start:]
+
+    def done(_: int) -> None:
+        if progress is not None:
+            progress.done += 1
+
+    adamw_update_(
+        [local_tensor(p) for p in params],
+        [local_tensor(p.grad) for p in params],
+        [local_tensor(ctx.state[p]["momentum"]) for p in params],
+        [local_tensor(ctx.state[p]["variance"]) for p in params],
+        lr=setting_float(group["lr"]),
+        beta1=setting_float(group["beta1"]),
+        beta2=setting_float(group["beta2"]),
+        weight_decay=setting_float(group["weight_decay"]),
+        epsilon=setting_float(group["epsilon"]),
+        step=int(group["step"]),
+        on_param_done=done,
+    )
+
+
+def run_step(ctx: StepContext, budget: int, max_in_flight: int) -> int:
+    """Every batch and AdamW chunk of the plan, pipelined; returns the estimated peak bytes.
+
+    AdamW runs once the first batch's gather is under way (it overlaps that traffic).
+    """
+    plan = ctx.plan
+    batches = plan.batches
+    sizes = [batch_bytes(b) for b in batches]
+    runs: dict[int, BatchRun] = {}
+    held = peak = 0
+    adamw_done = False
+    for phase, i in schedule(sizes, budget, max_in_flight):
+        if phase == "prepare":
+            runs[i] = new_run(ctx, batches[i])
+            prepare(ctx, runs[i])
+            held += sizes[i].held
+        elif phase == "compute":
+            if not adamw_done:
+                for chunk in plan.adamw:
+                    step_adamw(ctx, chunk)
+                adamw_done = True
+            compute(ctx, runs[i])
+        else:
+            finish(ctx, runs.pop(i))
+            held -= sizes[i].held
+        peak = max(peak, held + sizes[i].peak)
+    if not adamw_done:
+        for chunk in plan.adamw:
+            step_adamw(ctx, chunk)
+    return peak

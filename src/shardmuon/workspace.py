@@ -1,0 +1,180 @@
+"""The step's transient memory: what each batch holds in flight, and the schedule that caps it.
+
+Pure arithmetic on the plan (no tensors are touched), so the same figures serve the
+optimizer (which batches may be in flight together), ``shardmuon bench plan`` (the
+workspace peak of a model at any scale, without running it) and the tests (the measured
+transient stays under the budget).
+
+A batch between its *prepare* and its *finish* holds buffers (``held``): an exchanged batch
+its bf16 send buffer and the received results (``n`` pieces each) and, on the owner, the
+whole gathered matrix and its result; a local batch its bf16 stack and the results.
+While a phase runs it also needs temporaries (``peak``): fp32 directions (Nesterov),
+Newton–Schulz's buffers (two ``X`` and two Gram matrices, or the fp32 reduction of the
+norm), the fp32 update. The step admits the next batch only while the held bytes of the
+batches in flight plus the next batch's held and peak bytes fit the budget (one batch is
+always admitted), so the estimated transient never exceeds the budget unless a single
+batch does on its own. Local (no-communication) stacks are cut so that one batch fits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shardmuon.layout import MuonBatch
+
+__all__ = [
+    "DEFAULT_WORKSPACE_BYTES",
+    "BatchBytes",
+    "batch_bytes",
+    "local_batch_size",
+    "newton_schulz_bytes",
+    "schedule",
+    "workspace_peak_bytes",
+]
+
+# 512 MiB: a few of the largest dense matrices of a 30B-class model in flight (a
+# [4096, 2048] bf16 piece set is 16 MiB), and local expert stacks of a few hundred MiB.
+DEFAULT_WORKSPACE_BYTES = 512 * 2**20
+
+BF16 = 2
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class BatchBytes:
+    """Bytes one batch needs on this rank: ``held`` from prepare to finish, ``peak`` on top
+    of it while one of its phases runs."""
+
+    held: int
+    peak: int
+
+
+def newton_schulz_bytes(count: int, rows: int, cols: int) -> int:
+    """Temporaries of ``newton_schulz`` on a bf16 ``[count, rows, cols]`` input (input excluded).
+
+    The iteration holds two ``X`` buffers and two ``[s, s]`` Gram buffers per matrix
+    (``s = min(rows, cols)``); the normalisation before it at most an fp32 copy.
+    """
+    small = min(rows, cols)
+    per_matrix = 2 * BF16 * rows * cols + 2 * BF16 * small * small
+    return count * max(per_matrix, FP32 * rows * cols)
+
+
+def _block_rows(rows: int, partitions: tuple[int, ...] | None) -> tuple[int, ...]:
+    return partitions if partitions else (rows,)
+
+
+def _orthogonalize_bytes(count: int, rows: int, cols: int, partitions) -> int:
+    """Newton–Schulz temporaries for ``count`` matrices, partition blocks one size at a time,
+    plus the bf16 output (and the stacked blocks when partitioned)."""
+    blocks = _block_rows(rows, partitions)
+    by_size: dict[int, int] = {}
+    for size in blocks:
+        by_size[size] = by_size.get(size, 0) + 1
+    worst = max(newton_schulz_bytes(count * n, size, cols) for size, n in by_size.items())
+    staging = 0 if len(blocks) == 1 else 2 * BF16 * count * max(by_size.items())[0] * cols
+    return worst + staging + BF16 * count * rows * cols
+
+
+def batch_bytes(batch: MuonBatch) -> BatchBytes:
+    """What ``batch`` needs on this rank (see the module docstring); every matrix assumed active."""
+    layout = batch.layout
+    n = batch.num_matrices
+    if layout.exchanged:
+        me = layout.group.rank_index
+        piece = layout.piece_numel(me)
+        own = n * piece
+        owned = me in batch.owners
+        whole = layout.rows * layout.cols if owned else 0
+        held = 2 * BF16 * own + 2 * BF16 * whole
+        compute = (
+            _orthogonalize_bytes(1, layout.rows, layout.cols, batch.partitions) if owned else 0
+        )
+        # The prepare phase's fp32 directions, the finish phase's fp32 update (and the fp32
+        # copy of a low-precision weight): one segment at a time, at most the batch.
+        element_wise = 2 * FP32 * own
+        return BatchBytes(held=held, peak=max(compute, element_wise))
+    numel = n * layout.local_rows * layout.local_cols
+    held = 2 * BF16 * numel
+    compute = _orthogonalize_bytes(n, layout.local_rows, layout.local_cols, batch.partitions)
+    return BatchBytes(held=held, peak=max(compute, 2 * FP32 * numel))
+
+
+def local_batch_size(
+    local_rows: int, local_cols: int, partitions: tuple[int, ...] | None, budget: int
+) -> int:
+    """The most matrices of one local shape a batch may stack within ``budget`` (at least 1)."""
+    one = 2 * BF16 * local_rows * local_cols + max(
+        _orthogonalize_bytes(1, local_rows, local_cols, partitions),
+        2 * FP32 * local_rows * local_cols,
+    )
+    return max(1, budget // max(1, one))
+
+
+def schedule(sizes: Sequence[BatchBytes], budget: int, max_in_flight: int) -> list[tuple[str, int]]:
+    """The order of phases for batches of these sizes: ``("prepare", i)``, ``("compute", i)``,
+    ``("finish", i)``.
+
+    Batch ``i`` is prepared once fewer than ``max_in_flight`` batches wait for their compute
+    and the bytes held by every batch not yet finished, plus batch ``i``'s held and peak
+    bytes, fit ``budget`` (or nothing else is held). A batch is finished after the next one
+    has been computed (its return traffic overlaps that compute), or earlier when the
+    budget needs its bytes back. Every rank of a group derives the same schedule from the
+    same plan, so collectives pair up.
+    """
+    ops: list[tuple[str, int]] = []
+    waiting: deque[int] = deque()  # prepared, not computed
+    returning: deque[int] = deque()  # computed, not finished
+    held = 0
+
+    def compute_next() -> None:
+        i = waiting.popleft()
+        ops.append(("compute", i))
+        returning.append(i)
+
+    def finish_next() -> None:
+        nonlocal held
+        i = returning.popleft()
+        ops.append(("finish", i))
+        held -= sizes[i].held
+
+    for i, size in enumerate(sizes):
+        while waiting or returning:
+            fits = held + size.held + size.peak <= budget
+            if fits and len(waiting) < max_in_flight:
+                break
+            if returning and (not fits or len(returning) > 1 or not waiting):
+                finish_next()
+            else:
+                compute_next()
+                while len(returning) > 1:
+                    finish_next()
+        ops.append(("prepare", i))
+        held += size.held
+        waiting.append(i)
+        if len(waiting) >= max_in_flight:
+            compute_next()
+            while len(returning) > 1:
+                finish_next()
+    while waiting:
+        compute_next()
+        while len(returning) > 1:
+            finish_next()
+    while returning:
+        finish_next()
+    return ops
+
+
+def workspace_peak_bytes(batches: Sequence[MuonBatch], budget: int, max_in_flight: int) -> int:
+    """The estimated peak transient bytes of one step's Muon batches on this rank."""
+    sizes = [batch_bytes(b) for b in batches]
+    peak = held = 0
+    for phase, i in schedule(sizes, budget, max_in_flight):
+        if phase == "prepare":
+            held += sizes[i].held
+        peak = max(peak, held + sizes[i].peak)
+        if phase == "finish":
+            held -= sizes[i].held
+    return peak
