@@ -154,19 +154,24 @@ def _normalized_bf16(X: Tensor, eps: float) -> Tensor:
     denom.add_(eps)
     out = torch.empty(X.shape, dtype=torch.bfloat16, device=X.device)
     batch, rows, cols = X.shape
+
+    def divide_into(target: Tensor, source: Tensor, divisor: Tensor) -> None:
+        # One fp32 copy, divided in place (a mixed-dtype div would add a second one).
+        target.copy_(source.to(torch.float32, copy=True).div_(divisor))
+
     if X.numel() <= NORMALIZE_CHUNK_ELEMENTS:
-        out.copy_(torch.div(X, denom))
+        divide_into(out, X, denom)
         return out
     per_matrix = rows * cols
     if per_matrix <= NORMALIZE_CHUNK_ELEMENTS:
         step = NORMALIZE_CHUNK_ELEMENTS // per_matrix
         for b in range(0, batch, step):
-            out[b : b + step].copy_(torch.div(X[b : b + step], denom[b : b + step]))
+            divide_into(out[b : b + step], X[b : b + step], denom[b : b + step])
         return out
     step = max(1, NORMALIZE_CHUNK_ELEMENTS // cols)
     for b in range(batch):
         for r in range(0, rows, step):
-            out[b, r : r + step].copy_(torch.div(X[b, r : r + step], denom[b]))
+            divide_into(out[b, r : r + step], X[b, r : r + step], denom[b])
     return out
 
 
@@ -184,11 +189,11 @@ def newton_schulz(
     Results do not depend on which other matrices share the batch (each GEMM of a batch
     is an independent matrix product).
 
-    Memory, for a bf16 input of ``S`` bytes with ``m <= n``: the fp32 normalisation
-    temporaries are at most 2 ``S`` (the norm's reduction) or 16 MiB (the division, in
-    slices); then the iteration holds two ``X`` buffers and ``A``, ``B``
-    (``2 S + 4 B m^2`` bytes, ``B`` matrices), reused across iterations. No fp32 copy of
-    ``X`` lives through the iteration.
+    Memory, for a bf16 input of ``S`` bytes with ``m <= n``: the norm's reduction takes an
+    fp32 copy (2 ``S``, freed at once); the division writes the bf16 ``X`` (``S``) through
+    fp32 slices of at most 16 MiB; then the iteration holds two ``X`` buffers and ``A``,
+    ``B`` (``2 S + 4 B m^2`` bytes for ``B`` matrices), reused across iterations. No fp32
+    copy of ``X`` lives through the iteration (``workspace.newton_schulz_bytes``).
     """
     _check_matrix(G)
     coeffs = resolve_coefficients(coefficients)

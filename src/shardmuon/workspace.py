@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardmuon.layout import MuonBatch
+from shardmuon.newton_schulz import NORMALIZE_CHUNK_ELEMENTS
 
 __all__ = [
     "DEFAULT_WORKSPACE_BYTES",
@@ -52,14 +53,19 @@ class BatchBytes:
 
 
 def newton_schulz_bytes(count: int, rows: int, cols: int) -> int:
-    """Temporaries of ``newton_schulz`` on a bf16 ``[count, rows, cols]`` input (input excluded).
+    """Peak bytes ``newton_schulz`` allocates for a bf16 ``[count, rows, cols]`` input (the
+    input excluded, its bf16 output included).
 
-    The iteration holds two ``X`` buffers and two ``[s, s]`` Gram buffers per matrix
-    (``s = min(rows, cols)``); the normalisation before it at most an fp32 copy.
+    The largest of its three phases: the fp32 copy the norm's reduction takes; the bf16
+    normalised ``X``, the norms, and one fp32 slice of the division; the iteration's two ``X`` buffers
+    and two ``[s, s]`` Gram buffers per matrix (``s = min(rows, cols)``).
     """
+    total = count * rows * cols
     small = min(rows, cols)
-    per_matrix = 2 * BF16 * rows * cols + 2 * BF16 * small * small
-    return count * max(per_matrix, FP32 * rows * cols)
+    reduction = FP32 * total
+    division = BF16 * total + FP32 * min(total, NORMALIZE_CHUNK_ELEMENTS) + FP32 * count
+    iteration = 2 * BF16 * total + 2 * BF16 * count * small * small
+    return max(reduction, division, iteration)
 
 
 def _block_rows(rows: int, partitions: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -67,15 +73,20 @@ def _block_rows(rows: int, partitions: tuple[int, ...] | None) -> tuple[int, ...
 
 
 def _orthogonalize_bytes(count: int, rows: int, cols: int, partitions) -> int:
-    """Newton–Schulz temporaries for ``count`` matrices, partition blocks one size at a time,
-    plus the bf16 output (and the stacked blocks when partitioned)."""
+    """Peak bytes of orthogonalizing ``count`` matrices (input excluded, output included),
+    partition blocks one size at a time."""
     blocks = _block_rows(rows, partitions)
     by_size: dict[int, int] = {}
     for size in blocks:
         by_size[size] = by_size.get(size, 0) + 1
-    worst = max(newton_schulz_bytes(count * n, size, cols) for size, n in by_size.items())
-    staging = 0 if len(blocks) == 1 else 2 * BF16 * count * max(by_size.items())[0] * cols
-    return worst + staging + BF16 * count * rows * cols
+    if len(blocks) == 1:
+        return newton_schulz_bytes(count, rows, cols)
+    # Blocks of one size are stacked (a copy), orthogonalized, and written into the output.
+    worst = max(
+        2 * BF16 * count * n * size * cols + newton_schulz_bytes(count * n, size, cols)
+        for size, n in by_size.items()
+    )
+    return BF16 * count * rows * cols + worst
 
 
 def batch_bytes(batch: MuonBatch) -> BatchBytes:
@@ -118,8 +129,9 @@ def schedule(sizes: Sequence[BatchBytes], budget: int, max_in_flight: int) -> li
     ``("finish", i)``.
 
     Batch ``i`` is prepared once fewer than ``max_in_flight`` batches wait for their compute
-    and the bytes held by every batch not yet finished, plus batch ``i``'s held and peak
-    bytes, fit ``budget`` (or nothing else is held). A batch is finished after the next one
+    and the bytes held by every batch not yet finished, plus batch ``i``'s held bytes, plus
+    the largest peak among them and batch ``i`` (each still has a phase to run), fit
+    ``budget`` (or nothing else is held). A batch is finished after the next one
     has been computed (its return traffic overlaps that compute), or earlier when the
     budget needs its bytes back. Every rank of a group derives the same schedule from the
     same plan, so collectives pair up.
@@ -142,7 +154,10 @@ def schedule(sizes: Sequence[BatchBytes], budget: int, max_in_flight: int) -> li
 
     for i, size in enumerate(sizes):
         while waiting or returning:
-            fits = held + size.held + size.peak <= budget
+            # Every unfinished batch still has a phase to run (with its peak) while batch
+            # i is held: the largest of those peaks must fit on top of all held bytes.
+            worst = max([size.peak, *(sizes[j].peak for j in (*waiting, *returning))])
+            fits = held + size.held + worst <= budget
             if fits and len(waiting) < max_in_flight:
                 break
             if returning and (not fits or len(returning) > 1 or not waiting):
