@@ -140,19 +140,21 @@ def _check_matrix(G: Tensor) -> None:
 NORMALIZE_CHUNK_ELEMENTS = 4 * 2**20
 
 
-def _normalized_bf16(X: Tensor, eps: float) -> Tensor:
+def _normalized_bf16(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     """``X / (||X||_F + eps)`` per matrix of ``X[B, m, n]``, computed in fp32, rounded to bf16.
 
     The norm is reduced in fp32 (bitwise what ``vector_norm(X.float())`` gives); the
     division is element-wise, so doing it in slices of at most
     ``NORMALIZE_CHUNK_ELEMENTS`` elements gives the same bits as doing it whole, while the
-    fp32 temporary stays small. Returns a new contiguous bf16 ``[B, m, n]`` tensor.
+    fp32 temporary stays small. Writes into ``out`` (which may be ``X`` itself: each slice
+    is read before it is written) or a new contiguous bf16 ``[B, m, n]`` tensor.
     """
     if X.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         X = X.float()  # wider inputs are rounded to fp32 first
     denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
     denom.add_(eps)
-    out = torch.empty(X.shape, dtype=torch.bfloat16, device=X.device)
+    if out is None:
+        out = torch.empty(X.shape, dtype=torch.bfloat16, device=X.device)
     batch, rows, cols = X.shape
 
     def divide_into(target: Tensor, source: Tensor, divisor: Tensor) -> None:
@@ -179,6 +181,8 @@ def newton_schulz(
     G: Tensor,
     coefficients: str | Sequence[Sequence[float]] | None = None,
     eps: float = 1e-8,
+    *,
+    overwrite_input: bool = False,
 ) -> Tensor:
     """Orthogonalize each matrix of ``G[..., m, n]`` in bfloat16; returns bf16 ``[..., m, n]``.
 
@@ -193,7 +197,9 @@ def newton_schulz(
     fp32 copy (2 ``S``, freed at once); the division writes the bf16 ``X`` (``S``) through
     fp32 slices of at most 16 MiB; then the iteration holds two ``X`` buffers and ``A``,
     ``B`` (``2 S + 4 B m^2`` bytes for ``B`` matrices), reused across iterations. No fp32
-    copy of ``X`` lives through the iteration (``workspace.newton_schulz_bytes``).
+    copy of ``X`` lives through the iteration (``workspace.newton_schulz_bytes``). With
+    ``overwrite_input=True`` a contiguous bf16 ``G`` is normalised in place and becomes one
+    of the iteration's buffers (its contents are lost): one bf16 copy less, same bits.
     """
     _check_matrix(G)
     coeffs = resolve_coefficients(coefficients)
@@ -201,7 +207,10 @@ def newton_schulz(
         return G.to(torch.bfloat16)
     X, transposed = _as_wide(G)
     X, shape = _as_batch3d(X)
-    X = _normalized_bf16(X, eps)
+    in_place = (
+        overwrite_input and X.dtype == torch.bfloat16 and X.is_contiguous() and not transposed
+    )
+    X = _normalized_bf16(X, eps, out=X if in_place else None)
     # One matrix goes through the 2-D kernels: on CPU, bf16 bmm with a batch of 1 can be
     # several times slower than mm, and both give the same bits per matrix.
     if X.size(0) == 1:

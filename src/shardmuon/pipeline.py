@@ -31,6 +31,7 @@ from torch import Tensor
 from shardmuon.adamw import adamw_update_
 from shardmuon.exchange import BatchExchange
 from shardmuon.layout import MuonBatch, Segment, local_tensor
+from shardmuon.newton_schulz import newton_schulz
 from shardmuon.partitions import orthogonalize_blocks
 from shardmuon.plan import AdamWChunk, Plan, setting_float
 from shardmuon.telemetry import StepStats
@@ -114,13 +115,19 @@ class StepContext:
             return matrices, lambda: local.copy_(matrices.view(local.shape))
 
     def orthogonalize(self, U: Tensor, batch: MuonBatch) -> Tensor:
-        """Newton–Schulz on a bf16 ``[N, rows, cols]`` stack, per partition block."""
+        """Newton–Schulz on a bf16 ``[N, rows, cols]`` stack, per partition block.
+
+        ``U`` is overwritten (the pipeline's own buffer; the folded iteration uses it).
+        """
         stats = self.stats
         stats.matrices_orthogonalized += U.size(0)
         stats.owned_shapes.extend([(U.size(1), U.size(2))] * U.size(0))
 
         def ns(X: Tensor) -> Tensor:
             stats.ns_calls.append((X.size(0), X.size(1), X.size(2)))
+            if self.newton_schulz is newton_schulz:
+                # The pipeline owns every buffer it orthogonalizes: normalise in place.
+                return newton_schulz(X, self.coefficients, batch.eps, overwrite_input=True)
             return self.newton_schulz(X, self.coefficients, batch.eps)
 
         return orthogonalize_blocks(U, batch.partitions, ns)
