@@ -23,7 +23,6 @@ from dist_checks import (
     counting_all_to_all,
     fail_on,
     full,
-    local,
     make_context,
     make_optimizer,
     place,
@@ -34,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import distribute_tensor
 
 from shardmuon import Muon
+from shardmuon.layout import local_tensor
 
 __all__ = ["CASES", "make_context"]
 
@@ -73,16 +73,18 @@ def _expect_refused(ctx: Context, opt: Muon, params, fragments: list[str]) -> li
     Compares local shards (no collective: ranks that disagree on placements must not be
     asked to all-gather together).
     """
-    before = [local(p).clone() for p in params]
-    momenta = [local(opt.state[p]["momentum"]).clone() for p in params]
+    before = [local_tensor(p).clone() for p in params]
+    momenta = [local_tensor(opt.state[p]["momentum"]).clone() for p in params]
     steps = [g["step"] for g in opt.param_groups]
     with counting_all_to_all() as calls:
         problems = expect_raises(ValueError, fragments, opt.step)
     if calls:
         problems.append(f"{len(calls)} all-to-alls ran before the error")
-    if any(not torch.equal(local(p), b) for p, b in zip(params, before)):
+    if any(not torch.equal(local_tensor(p), b) for p, b in zip(params, before)):
         problems.append("parameters changed by a refused step")
-    if any(not torch.equal(local(opt.state[p]["momentum"]), m) for p, m in zip(params, momenta)):
+    if any(
+        not torch.equal(local_tensor(opt.state[p]["momentum"]), m) for p, m in zip(params, momenta)
+    ):
         problems.append("momentum changed by a refused step")
     if [g["step"] for g in opt.param_groups] != steps:
         problems.append("step counters advanced by a refused step")

@@ -39,7 +39,6 @@ from dist_checks import (
     counting_all_to_all,
     fail_on,
     full,
-    local,
     make_context,
     make_optimizer,
     matrix_shard_group,
@@ -54,7 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
 from shardmuon import Muon, newton_schulz
-from shardmuon.layout import MuonBatch
+from shardmuon.layout import MuonBatch, local_tensor
 
 # ------------------------------------------------------- hand-built layouts
 
@@ -457,8 +456,8 @@ def _orthogonalize_chunk(ctx: Context) -> None:
         opt = make_optimizer(params, specs)
         directions = random_tensors([spec.shape] * count, 900)
         expected = [_ns_reference(u, spec.partitions) for u in directions]
-        pieces = [local(place(ctx, spec, u)) for u in directions]
-        want = [local(place(ctx, spec, e)) for e in expected]
+        pieces = [local_tensor(place(ctx, spec, u)) for u in directions]
+        want = [local_tensor(place(ctx, spec, e)) for e in expected]
         for first_owner in range(k):
             out = opt.orthogonalize_chunk(params, pieces, first_owner=first_owner)
             for i, (got, w) in enumerate(zip(out, want)):
@@ -471,7 +470,7 @@ def _orthogonalize_chunk(ctx: Context) -> None:
             extra = [nn.Parameter(place(ctx, spec, torch.zeros(spec.shape))) for _ in range(k + 1)]
             opt = make_optimizer(extra, [spec] * (k + 1))
             try:
-                opt.orthogonalize_chunk(extra, [local(x).clone() for x in extra])
+                opt.orthogonalize_chunk(extra, [local_tensor(x).clone() for x in extra])
                 problems.append(f"{spec}: {k + 1} matrices for {k} ranks did not raise")
             except ValueError as e:
                 if f"pass at most {k}" not in str(e):

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from shardmuon import Muon
-from shardmuon.layout import MuonBatch
+from shardmuon.layout import MuonBatch, local_tensor
 
 ALL_WORLDS = (1, 2, 3, 4)
 MULTI_RANK = (2, 3, 4)
@@ -111,10 +111,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def random_tensors(shapes: list[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=generator) for shape in shapes]
@@ -201,7 +197,7 @@ def matrix_shard_group(p: torch.Tensor, flatten: bool) -> tuple[int, ...] | None
 
 def local_matrices(p: torch.Tensor, flatten: bool) -> tuple[int, int, int]:
     """This rank's piece of ``p`` as ``(count, rows, cols)`` of matrices."""
-    shape = local(p).shape
+    shape = local_tensor(p).shape
     if flatten:
         return 1, shape[0], math.prod(shape[1:])
     return math.prod(shape[:-2]), shape[-2], shape[-1]

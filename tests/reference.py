@@ -120,14 +120,3 @@ def applied_update(x_prev: Tensor, x_new: Tensor, lr: float, weight_decay: float
     """
     decay = (1 - torch.tensor(lr, dtype=torch.float32) * torch.tensor(weight_decay)).double()
     return x_prev.to(torch.float64) * decay - x_new.to(torch.float64)
-
-
-def relative_distance(ours: Sequence[Tensor], theirs: Sequence[Tensor]) -> float:
-    """``||ours - theirs||_F / ||theirs||_F`` over the concatenation of all tensors (float64)."""
-    if len(ours) != len(theirs) or not ours:
-        raise ValueError(
-            f"need two equally long non-empty lists, got {len(ours)} and {len(theirs)}"
-        )
-    diff = sum(float((a.double() - b.double()).square().sum()) for a, b in zip(ours, theirs))
-    norm = sum(float(b.double().square().sum()) for b in theirs)
-    return math.sqrt(diff / norm)

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from shardmuon.bench import SUBCOMMANDS
 from shardmuon.bench.memory import live_bytes, measure_cpu_step, peak_of_events
 from shardmuon.bench.report import TABLE_WIDTH
 from shardmuon.cli import _default_bench_command, build_parser, main
@@ -104,8 +105,10 @@ def test_step_fsdp_two_ranks_moves_the_minimum_bytes(tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr()
     _check_printed_table(
-        printed.out, ["step ms", "owned NS ms", "peak GiB", "all-to-all GB/rank", "a2a ÷ min"]
-    )
+        printed.out,
+        ["step ms", "first step ms", "own NS ms", "step ÷ NS", "peak GiB", "all-to-all GB/rank",
+         "a2a ÷ min"],
+    )  # fmt: skip
     assert f"wrote results (JSON): {out}" in printed.err
     assert f"wrote plot (PNG): {png}" in printed.err
     data = json.loads(out.read_text())
@@ -114,9 +117,11 @@ def test_step_fsdp_two_ranks_moves_the_minimum_bytes(tmp_path, capsys):
     rows = {r["impl"]: r for r in data["results"]}
     assert set(rows) == {"shardmuon", "adamw"}
     for r in rows.values():
-        assert len(r["step_times_s"]) == 2
-        assert all(_finite_positive(t) for t in r["step_times_s"])
+        (steps,) = r["step_times_s"]  # one pass (sequential order), two steps
+        assert len(steps) == 2
+        assert all(_finite_positive(t) for t in steps)
         assert _finite_positive(r["step_s"])
+        assert r["first_step_s"] == steps[0]
         assert r["peak_bytes"] >= r["transient_bytes"] > 0
     sm = rows["shardmuon"]
     assert sm["a2a_over_minimum"] == 1.0
@@ -131,6 +136,12 @@ def test_step_fsdp_two_ranks_moves_the_minimum_bytes(tmp_path, capsys):
     assert sum(sm["bytes_received"]) == sum(sm["bytes_sent"])
     assert sum(sm["matrices_orthogonalized"]) == 14  # 2 layers x (q, k, v, o, gate, up, down)
     assert _finite_positive(sm["owned_ns_s"]) and _finite_positive(sm["step_over_ns"])
+    # The replay made the calls the step made: every orthogonalized matrix, once.
+    for rank, rank_figures in enumerate(data["per_pass"]["shardmuon"][0]):
+        batch_total = sum(b for b, _, _ in rank_figures["ns_calls"])
+        assert batch_total == sm["matrices_orthogonalized"][rank]
+        assert len(rank_figures["ns_times_s"]) == 5  # --ns-repeats default
+    assert sm["step_over_ns_spread"]["min"] <= sm["step_over_ns_spread"]["max"]
     assert "a2a_over_minimum" not in rows["adamw"]
     assert png.read_bytes()[:8] == PNG_MAGIC
 
@@ -181,6 +192,8 @@ def test_ab_is_close_to_fp64_muon(tmp_path, capsys):
         (["bench", "step", "--nproc", "2", "--impl", "torch-muon"], "--impl torch-muon"),
         (["bench", "step", "--impl", "sgd"], "bad --impl 'sgd'"),
         (["bench", "step", "--steps", "1"], "--steps must be >= 2"),
+        (["bench", "step", "--ns-repeats", "0"], "--ns-repeats must be >= 1"),
+        (["bench", "step", "--layout", "ep", "--impl", "dion"], "--impl dion: dion's Muon"),
         (["bench", "ab", "--steps", "0"], "--steps must be >= 1"),
     ],
 )
@@ -224,7 +237,8 @@ def test_misspelt_subcommand_lists_the_subcommands(capsys):
         main(["bench", "stpe"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "invalid choice: 'stpe' (choose from 'step', 'ns', 'ab')" in err
+    choices = ", ".join(map(repr, SUBCOMMANDS))
+    assert f"invalid choice: 'stpe' (choose from {choices})" in err
 
 
 def test_train_json_flag_is_an_option_not_a_subcommand():
@@ -258,14 +272,15 @@ def test_flag_vocabulary_and_old_aliases(argv, dest, value):
     [
         (
             ["bench", "step", "--help"],
-            ["{glm-4.5-air,qwen3-30b-a3b,tiny-dense,tiny-moe}", "(default: tiny-moe)",
-             "{none,fsdp,hsdp,ep}", "(default: fsdp)", "(default: 12)", "(default: dion)"],
+            ["{glm-4.5-air,qwen3-30b-a3b,tiny-dense,tiny-moe,tiny-qwen3-moe}", "(default: tiny-moe)",
+             "{none,fsdp,hsdp,ep}", "(default: fsdp)", "(default: 12)", "(default: dion)",
+             "{sequential,abba}", "(default: sequential)"],
         ),
         (["bench", "ns", "--help"], ["(default: 5)", "{auto,cpu,cuda}", "(default: auto)"]),
         (["bench", "ab", "--help"], ["(default: 3)", "(default: 0.02)"]),
         (
             ["train", "--help"],
-            ["{glm-4.5-air,qwen3-30b-a3b,tiny-dense,tiny-moe}", "(default: tiny-moe)",
+            ["{glm-4.5-air,qwen3-30b-a3b,tiny-dense,tiny-moe,tiny-qwen3-moe}", "(default: tiny-moe)",
              "{muon,adamw}", "(default: 150)", "{fsdp,ep}", "on --resume: the checkpoint's"],
         ),
     ],

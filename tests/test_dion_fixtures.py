@@ -26,7 +26,9 @@ from fixtures import (
     set_grads,
     snapshot,
 )
-from reference import adamw_step_fp64, applied_update, muon_update_fp64, relative_distance
+from reference import adamw_step_fp64, applied_update, muon_update_fp64
+
+from shardmuon.bench.common import relative_difference
 
 NOISE_FLOOR_MARGIN = 1.25
 STATE_TOLERANCE = 1e-5  # relative Frobenius, per tensor
@@ -117,10 +119,6 @@ def muon_deltas(case: dict[str, Any], before: Snapshot, after: Snapshot) -> list
     return deltas
 
 
-def tensor_rel(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    return relative_distance([ours], [theirs])
-
-
 def assert_muon_within_noise_floor(
     case: dict[str, Any],
     step: int,
@@ -129,7 +127,7 @@ def assert_muon_within_noise_floor(
     dion_before: Snapshot,
     dion_after: Snapshot,
 ) -> None:
-    rel = relative_distance(
+    rel = relative_difference(
         muon_deltas(case, ours_before, ours_after), muon_deltas(case, dion_before, dion_after)
     )
     # Case B has no recorded noise floor; its setting is close to A's (same shapes, same
@@ -141,7 +139,7 @@ def assert_muon_within_noise_floor(
 def assert_adamw_params_close(
     case: dict[str, Any], step: int, ours: Snapshot, dion: Snapshot
 ) -> None:
-    bad = {n: tensor_rel(ours[n], dion[n]) for n in adamw_names(case)}
+    bad = {n: relative_difference(ours[n], dion[n]) for n in adamw_names(case)}
     bad = {n: r for n, r in bad.items() if not r < STATE_TOLERANCE}
     assert not bad, f"step {step}: AdamW params off by (relative) {bad}"
 
@@ -157,7 +155,7 @@ def assert_state_dict_like_dion(ours: dict[str, Any], dion: dict[str, Any]) -> N
             mine = our_state[key]
             assert isinstance(mine, torch.Tensor), f"state {idx}[{key!r}] is {type(mine)}"
             assert (mine.shape, mine.dtype) == (theirs.shape, theirs.dtype), f"{idx}[{key!r}]"
-            rel = tensor_rel(mine, theirs)
+            rel = relative_difference(mine, theirs)
             assert rel < STATE_TOLERANCE, f"state {idx}[{key!r}] off by {rel:.2e} (relative)"
 
 
@@ -291,12 +289,12 @@ def test_reference_reproduces_dion_fp64_distance(
     exact = fp64_deltas(case, before, dion_momenta(case, step), step)
     applied = muon_deltas(case, before, dion_params(case, step))
     recorded = case["fp64_rel_diff_per_step"][step]
-    assert relative_distance(applied, exact) == pytest.approx(recorded["muon_all"], rel=0.02)
+    assert relative_difference(applied, exact) == pytest.approx(recorded["muon_all"], rel=0.02)
     # Per group too: this pins the expert stacks (batches of matrices) and the router.
     names = muon_names(case)
     for label, value in recorded["muon_by_group"].items():
         picked = [i for i, n in enumerate(names) if case["routing"][n] == label]
-        rel = relative_distance([applied[i] for i in picked], [exact[i] for i in picked])
+        rel = relative_difference([applied[i] for i in picked], [exact[i] for i in picked])
         assert rel == pytest.approx(value, rel=0.02), label
 
 
@@ -334,7 +332,7 @@ def test_reference_adamw_matches_dion(
         exact.append(applied_update(before[n], x, spec["lr"], spec["weight_decay"]))
         applied.append(applied_update(before[n], after[n], spec["lr"], spec["weight_decay"]))
     # dion's AdamW is float32 arithmetic: the README records 4e-7 to 7e-7 from fp64.
-    assert relative_distance(applied, exact) < 2e-6
+    assert relative_difference(applied, exact) < 2e-6
 
 
 @pytest.mark.parametrize("label", ["A", "B"])
@@ -344,7 +342,7 @@ def test_closer_to_fp64_than_dion(
     case = cases[label]
     before = case["initial_params"]
     exact = fp64_deltas(case, before, dion_momenta(case, 1), 1)
-    rel = relative_distance(muon_deltas(case, before, ours[label].params[1]), exact)
+    rel = relative_difference(muon_deltas(case, before, ours[label].params[1]), exact)
     dion_rel = case["fp64_rel_diff_per_step"][1]["muon_all"]
     assert rel <= FP64_IMPROVEMENT * dion_rel, (
         f"ours is {rel:.5f} from fp64, dion {dion_rel:.5f}; need <= {FP64_IMPROVEMENT} x dion"

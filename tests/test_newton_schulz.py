@@ -15,6 +15,7 @@ from shardmuon import (
     newton_schulz_unfolded,
     resolve_coefficients,
 )
+from shardmuon.bench.common import relative_difference
 
 # Tall, wide, batched (3-D and 4-D), vectors and odd sizes: Gaussian inputs.
 GAUSSIAN_SHAPES = [
@@ -38,10 +39,6 @@ SHAPES = GAUSSIAN_SHAPES + SQUARE_SHAPES
 # One bf16 rounding of an O(1) result is 2^-9 = 0.2% relative; the folded iteration stays
 # within a few of them. dion's unfolded recipe is at about 1.5-2%.
 FOLDED_TOLERANCE = 0.0075
-
-
-def _rel(ours: torch.Tensor, exact: torch.Tensor) -> float:
-    return float((ours.double() - exact.double()).norm() / exact.double().norm())
 
 
 def _gaussian(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -73,9 +70,9 @@ def test_folded_matches_fp64(shape: tuple[int, ...]) -> None:
     assert out.shape == G.shape
     exact = orthogonalize_fp64(G, DION_COEFFICIENTS)
     # The library's own fp64 reference must agree with ours before it is used as a yardstick.
-    assert _rel(newton_schulz_reference(G, "dion"), exact) < 1e-12
-    assert _rel(out, exact) < FOLDED_TOLERANCE
-    assert _rel(out, newton_schulz_reference(G, "dion")) < FOLDED_TOLERANCE
+    assert relative_difference(newton_schulz_reference(G, "dion"), exact) < 1e-12
+    assert relative_difference(out, exact) < FOLDED_TOLERANCE
+    assert relative_difference(out, newton_schulz_reference(G, "dion")) < FOLDED_TOLERANCE
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -84,7 +81,9 @@ def test_folded_closer_to_fp64_than_unfolded(shape: tuple[int, ...]) -> None:
     exact = orthogonalize_fp64(G, DION_COEFFICIENTS)
     unfolded = newton_schulz_unfolded(G, "dion")
     assert unfolded.dtype == torch.bfloat16 and unfolded.shape == G.shape
-    assert _rel(newton_schulz(G, "dion"), exact) < _rel(unfolded, exact)
+    assert relative_difference(newton_schulz(G, "dion"), exact) < relative_difference(
+        unfolded, exact
+    )
 
 
 def test_input_dtype_does_not_matter_beyond_rounding() -> None:
@@ -93,7 +92,7 @@ def test_input_dtype_does_not_matter_beyond_rounding() -> None:
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
         out = newton_schulz(G.to(dtype))
         assert out.dtype == torch.bfloat16 and out.shape == G.shape
-        assert _rel(out, exact) < FOLDED_TOLERANCE, dtype
+        assert relative_difference(out, exact) < FOLDED_TOLERANCE, dtype
 
 
 def test_default_coefficients_are_dion() -> None:

@@ -1,10 +1,11 @@
 """Model presets for benchmarks and training: Hugging Face causal LMs from a config, random init.
 
-Nothing is downloaded: each preset is a config written out here. The two tiny presets are
-sized for a 2-core CPU; ``qwen3-30b-a3b`` and ``glm-4.5-air`` carry the published
-``config.json`` values of Qwen/Qwen3-30B-A3B and zai-org/GLM-4.5-Air, for GPU machines
-(cut them with ``num_layers``). For those, :func:`param_shapes` gives the parameter shapes
-without allocating anything (the model is built on the ``meta`` device).
+Nothing is downloaded: each preset is a config written out here. The tiny presets are
+sized for CPU runs (``tiny-qwen3-moe``, the widest, is the workload of issue #12);
+``qwen3-30b-a3b`` and ``glm-4.5-air`` carry the published ``config.json`` values of
+Qwen/Qwen3-30B-A3B and zai-org/GLM-4.5-Air, for GPU machines (cut them with ``num_layers``).
+For those, :func:`param_shapes` gives the parameter shapes without allocating anything (the
+model is built on the ``meta`` device).
 """
 
 from __future__ import annotations
@@ -56,6 +57,28 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
             tie_word_embeddings=False,
         ),
         "small Qwen3-MoE: 4 layers (first dense), hidden 256, 8 experts; for CPU runs",
+    ),
+    # The workload of issue #12: a tiny Qwen3-MoE whose Muon matrices are 256-1024 wide,
+    # so that Newton-Schulz dominates the step as it does at scale.
+    "tiny-qwen3-moe": ModelPreset(
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=1024,
+            hidden_size=512,
+            intermediate_size=1024,
+            moe_intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=128,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        ),
+        "tiny Qwen3-MoE: 4 layers (first dense), hidden 512, 8 experts of 256, vocab 1024",
     ),
     "tiny-dense": ModelPreset(
         "Qwen3Config",

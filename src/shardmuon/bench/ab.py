@@ -13,23 +13,26 @@ from __future__ import annotations
 
 import argparse
 import math
-import zlib
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from shardmuon.bench.common import (
+    add_model_arguments,
+    add_output_arguments,
+    name_seed,
+    relative_difference,
+)
 from shardmuon.bench.report import (
-    environment,
     fmt,
     new_progress,
     print_table,
-    save_plot,
     set_threads,
-    write_json,
+    write_outputs,
 )
-from shardmuon.cli_support import HelpFormatter, add_hidden_alias, check_outputs, note_written
-from shardmuon.models import MODEL_PRESETS, attention_dims, build_model
+from shardmuon.cli_support import HelpFormatter, add_hidden_alias, check_outputs
+from shardmuon.models import attention_dims, build_model
 from shardmuon.newton_schulz import NS_PRESETS, newton_schulz_reference
 
 __all__ = ["ROWS", "add_parser", "reference_muon_step", "run"]
@@ -79,14 +82,10 @@ def reference_muon_step(
     X.mul_(1 - lr * WEIGHT_DECAY).sub_(lr * orthogonal)
 
 
-def _seed(*parts: object) -> int:
-    return zlib.crc32(":".join(map(str, parts)).encode()) & 0x7FFFFFFF
-
-
 def _grads(names: list[str], shapes: list[torch.Size], step: int, seed: int) -> list[Tensor]:
     out = []
     for name, shape in zip(names, shapes):
-        gen = torch.Generator().manual_seed(_seed(seed, step, name))
+        gen = torch.Generator().manual_seed(name_seed(seed, step, name))
         out.append(torch.randn(shape, generator=gen))
     return out
 
@@ -170,13 +169,6 @@ def _reference_deltas(setup: _Setup, preset: str, steps: int, seed: int, advance
     return deltas
 
 
-def relative_difference(deltas: list[Tensor], refs: list[Tensor]) -> float:
-    """``||Δ - Δ_ref|| / ||Δ_ref||`` over all matrices together, in float64."""
-    num = sum(float(torch.sum((d.double() - r.double()) ** 2)) for d, r in zip(deltas, refs))
-    den = sum(float(torch.sum(r.double() ** 2)) for r in refs)
-    return math.sqrt(num / den)
-
-
 def add_parser(subparsers) -> None:
     """Register ``ab`` on ``subparsers`` (an argparse sub-parsers action)."""
     p = subparsers.add_parser(
@@ -185,12 +177,7 @@ def add_parser(subparsers) -> None:
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    p.add_argument(
-        "--model", choices=sorted(MODEL_PRESETS), default="tiny-moe", help="model preset"
-    )
-    p.add_argument(
-        "--layers", type=int, default=None, help="cut the model to this many layers (default: all)"
-    )
+    add_model_arguments(p, "tiny-moe")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps compared")
     p.add_argument(
         "--coefficients",
@@ -204,11 +191,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lr", type=float, default=0.02, help="learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the grads")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument(
-        "--json", metavar="PATH", default=None, help="write all figures to this JSON file"
-    )
-    p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG line plot here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_arguments(p, "line plot")
     p.set_defaults(func=run)
 
 
@@ -285,31 +268,25 @@ def run(args: argparse.Namespace) -> int:
             ("columns", "Newton-Schulz coefficients and implementation of shardmuon's run"),
         ],
     )
-    if args.json:
-        write_json(
-            args.json,
-            {
-                "benchmark": "ab",
-                "config": {
-                    "model": args.model,
-                    "layers": args.layers,
-                    "steps": args.steps,
-                    "lr": args.lr,
-                    "seed": args.seed,
-                    "mu": MU,
-                    "weight_decay": WEIGHT_DECAY,
-                    "update_rms": UPDATE_RMS,
-                    "grad_scale": GRAD_SCALE,
-                    "muon_params": n_matrices,
-                },
-                "environment": environment(argv=getattr(args, "argv", None)),
-                "results": results,
-            },
-        )
-        note_written(args.json, "results (JSON)")
-    if args.plot:
-        save_plot(args.plot, lambda ax: _draw(ax, results), "update vs float64 Muon")
-        note_written(args.plot, "plot (PNG)")
+    config = {
+        "model": args.model,
+        "layers": args.layers,
+        "steps": args.steps,
+        "lr": args.lr,
+        "seed": args.seed,
+        "mu": MU,
+        "weight_decay": WEIGHT_DECAY,
+        "update_rms": UPDATE_RMS,
+        "grad_scale": GRAD_SCALE,
+        "muon_params": n_matrices,
+    }
+    write_outputs(
+        args,
+        "ab",
+        {"config": config, "results": results},
+        lambda ax: _draw(ax, results),
+        "update vs float64 Muon",
+    )
     return 0
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardmuon._launch import free_port, threads_per_rank
 from shardmuon.workers import exit_worker
 
 __all__ = ["RankContext", "launch", "torchrun_world_size"]
@@ -56,27 +56,13 @@ def torchrun_world_size() -> int | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _threads(world_size: int, threads: int | None) -> int:
-    if threads is not None:
-        return threads
-    # Processes on one CPU share its cores: without this each would start one thread per
-    # core and they would thrash.
-    return max(1, (os.cpu_count() or 1) // world_size)
-
-
 def _setup(rank: int, world_size: int, local_rank: int, threads: int | None, distributed: bool):
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    n_threads = _threads(world_size, threads)
+    n_threads = threads_per_rank(world_size, threads)
     torch.set_num_threads(n_threads)
     if distributed and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -148,7 +134,7 @@ def launch(
         result_path = os.path.join(tmp, "result.pkl")
         mp.spawn(
             _spawned,
-            args=(nproc, _free_port(), body, config, threads, result_path),
+            args=(nproc, free_port(), body, config, threads, result_path),
             nprocs=nproc,
             join=True,
         )

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardmuon.layout import local_tensor
+
 __all__ = ["StepMemory", "live_bytes", "measure_cpu_step", "peak_of_events"]
 
 
@@ -39,8 +41,7 @@ def live_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for t in tensors:
         if t is None:
             continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storage = local.untyped_storage()
+        storage = local_tensor(t).untyped_storage()
         key = storage.data_ptr()
         if key in seen or storage.nbytes() == 0:
             continue

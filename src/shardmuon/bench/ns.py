@@ -12,18 +12,17 @@ from typing import Any
 
 import torch
 
+from shardmuon.bench.common import add_output_arguments, relative_difference
 from shardmuon.bench.report import (
-    environment,
     fmt,
     median_time,
     new_progress,
     print_legend,
     print_table,
-    save_plot,
     set_threads,
-    write_json,
+    write_outputs,
 )
-from shardmuon.cli_support import HelpFormatter, add_hidden_alias, check_outputs, note_written
+from shardmuon.cli_support import HelpFormatter, add_hidden_alias, check_outputs
 from shardmuon.newton_schulz import (
     NS_PRESETS,
     newton_schulz,
@@ -113,11 +112,6 @@ def gemm_flops(shape: tuple[int, ...]) -> float:
     return 2.0 * batch * m * m * n
 
 
-def _relative_error(approx: torch.Tensor, ref: torch.Tensor) -> float:
-    approx = approx.double()
-    return float(torch.linalg.vector_norm(approx - ref) / torch.linalg.vector_norm(ref))
-
-
 def measure_shape(
     shape: tuple[int, ...], preset: str, device: torch.device, repeats: int, seed: int
 ) -> dict[str, Any]:
@@ -147,8 +141,8 @@ def measure_shape(
         "unfolded_tflops": flops / unfolded_s / 1e12,
         "gemm_tflops": gemm_rate / 1e12,
         "fraction_of_gemm": folded_rate / gemm_rate,
-        "rel_error_folded": _relative_error(newton_schulz(G, preset), ref),
-        "rel_error_unfolded": _relative_error(newton_schulz_unfolded(G, preset), ref),
+        "rel_error_folded": relative_difference(newton_schulz(G, preset), ref),
+        "rel_error_unfolded": relative_difference(newton_schulz_unfolded(G, preset), ref),
     }
 
 
@@ -183,11 +177,7 @@ def add_parser(subparsers) -> None:
         default="auto",
         help="where to run; auto: CUDA when available",
     )
-    p.add_argument(
-        "--json", metavar="PATH", default=None, help="write all figures to this JSON file"
-    )
-    p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG bar chart here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_arguments(p, "bar chart")
     p.set_defaults(func=run)
 
 
@@ -264,19 +254,9 @@ def run(args: argparse.Namespace) -> int:
             ("err", "||NS - NS_fp64|| / ||NS_fp64||, against the float64 iteration"),
         ],
     )
-    if args.json:
-        write_json(
-            args.json,
-            {
-                "benchmark": "ns",
-                "environment": environment(argv=getattr(args, "argv", None)),
-                "results": rows,
-            },
-        )
-        note_written(args.json, "results (JSON)")
-    if args.plot:
-        save_plot(args.plot, lambda ax: _draw(ax, rows), "Newton-Schulz per call")
-        note_written(args.plot, "plot (PNG)")
+    write_outputs(
+        args, "ns", {"results": rows}, lambda ax: _draw(ax, rows), "Newton-Schulz per call"
+    )
     return 0
 
 

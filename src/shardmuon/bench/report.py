@@ -32,11 +32,14 @@ __all__ = [
     "new_progress",
     "print_legend",
     "print_table",
+    "repeat_times",
     "save_plot",
     "set_threads",
+    "spread",
     "stderr_console",
     "synchronize",
     "write_json",
+    "write_outputs",
 ]
 
 
@@ -185,20 +188,76 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def repeat_times(
+    fn: Callable[[], Any],
+    device: torch.device,
+    repeats: int,
+    warmup: int = 1,
+    before: Callable[[], Any] | None = None,
+) -> list[float]:
+    """Wall-clock seconds of each of ``repeats`` calls of ``fn()``, after ``warmup`` calls.
+
+    ``before()`` (a barrier across ranks, say) runs untimed before every call, warm-up
+    calls included, so that every rank makes the same number of them.
+    """
+    times = []
+    for i in range(warmup + repeats):
+        if before is not None:
+            before()
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 def median_time(
     fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 1
 ) -> float:
     """Median wall-clock seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(repeat_times(fn, device, repeats, warmup))
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """``min``, ``q1``, ``median``, ``q3`` and ``max`` of ``values`` (quartiles inclusive)."""
+    values = sorted(values)
+    if len(values) == 1:
+        q1 = q3 = values[0]
+    else:
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return {
+        "min": values[0],
+        "q1": q1,
+        "median": statistics.median(values),
+        "q3": q3,
+        "max": values[-1],
+    }
+
+
+def write_outputs(
+    args,
+    benchmark: str,
+    payload: dict[str, Any],
+    draw: Callable[[Any], None],
+    title: str,
+    **env: Any,
+) -> None:
+    """Write a benchmark's ``--json`` and ``--plot`` files (when asked for), each announced.
+
+    The JSON holds ``benchmark``, the :func:`environment` (``env``: its ``world_size`` and
+    ``threads``) and ``payload``; the plot is ``draw(ax)`` under ``title``.
+    """
+    from shardmuon.cli_support import note_written
+
+    if args.json:
+        environ = environment(argv=getattr(args, "argv", None), **env)
+        write_json(args.json, {"benchmark": benchmark, "environment": environ, **payload})
+        note_written(args.json, "results (JSON)")
+    if args.plot:
+        save_plot(args.plot, draw, title)
+        note_written(args.plot, "plot (PNG)")
 
 
 def save_plot(path: str | os.PathLike, draw: Callable[[Any], None], title: str) -> Path:

@@ -6,23 +6,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from shardmuon.train.loop import TrainConfig, TrainResult, threads_per_rank, train_on_rank
+from shardmuon._launch import free_port, threads_per_rank
+from shardmuon.train.loop import TrainConfig, TrainResult, train_on_rank
 from shardmuon.workers import exit_worker
 
 __all__ = ["spawn_training"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(
@@ -90,7 +84,7 @@ def spawn_training(config: TrainConfig, resume_from: str | None) -> TrainResult:
         try:
             mp.start_processes(
                 _worker,
-                args=(config, resume_from, config.nproc, _free_port(), result_file),
+                args=(config, resume_from, config.nproc, free_port(), result_file),
                 nprocs=config.nproc,
                 join=True,
                 start_method=_start_method(),

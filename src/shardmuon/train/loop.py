@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardmuon._launch import threads_per_rank
 from shardmuon.cli_support import check_outputs, note
 from shardmuon.train import checkpoint as ckpt_io
 from shardmuon.train import dion_format, recovery
@@ -375,11 +376,6 @@ def _progress(config: TrainConfig, rank: int, start: int) -> _Progress | None:
 
 
 # ---------------------------------------------------------------------------- a run
-
-
-def threads_per_rank(world: int) -> int:
-    """Torch threads for each of ``world`` processes sharing this machine's cores."""
-    return max(1, (os.cpu_count() or 1) // world)
 
 
 def prepare_resume(config: TrainConfig) -> str | None:

@@ -1,0 +1,159 @@
+"""The optimizers ``shardmuon bench step`` compares, built from the same routed param groups.
+
+Every Muon-like implementation takes the groups of :func:`shardmuon.routing.build_param_groups`
+with ``lr``, ``nesterov=True``, ``weight_decay=0.1`` and lr scaling ``rms_norm``;
+``adamw`` is the cost yardstick. ``dion`` is dion's Muon (the samsja/dion or microsoft/dion
+package, whichever is installed as ``dion``): used only when it can be imported, never a
+dependency.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardmuon.models import attention_dims
+
+__all__ = [
+    "DEFAULT_OFF",
+    "IMPLEMENTATIONS",
+    "SHARDMUON_OPTIONS",
+    "WEIGHT_DECAY",
+    "dion_unavailable",
+    "make_optimizer",
+]
+
+IMPLEMENTATIONS: tuple[str, ...] = (
+    "shardmuon",
+    "shardmuon-unfolded",
+    "shardmuon-compiled",
+    "shardmuon-no-rotation",
+    "shardmuon-split-replicas",
+    "dion",
+    "torch-muon",
+    "adamw",
+)
+# shardmuon.Muon keyword arguments of each shardmuon variant.
+SHARDMUON_OPTIONS: dict[str, dict[str, Any]] = {
+    "shardmuon": {},
+    "shardmuon-unfolded": {"newton_schulz_impl": "unfolded"},
+    "shardmuon-compiled": {"newton_schulz_impl": "compiled"},
+    "shardmuon-no-rotation": {"rotate_owners": False},
+    "shardmuon-split-replicas": {"split_replicas": True},
+}
+# Run only when asked for (--impl), with why.
+DEFAULT_OFF: dict[str, str] = {
+    "shardmuon-compiled": "opt-in (--impl shardmuon-compiled): torch.compile compiles every "
+    "Newton-Schulz shape on first use (about 20 s each on a small CPU)",
+}
+WEIGHT_DECAY = 0.1
+
+
+def dion_unavailable() -> str | None:
+    """Why dion's Muon cannot be run here (``None`` when ``from dion import Muon`` works)."""
+    try:
+        from dion import Muon  # noqa: F401
+    except ImportError as err:
+        return f"the dion package is not installed ({err})"
+    return None
+
+
+def make_optimizer(
+    impl: str,
+    model: nn.Module,
+    *,
+    model_name: str,
+    lr: float,
+    coefficients: str,
+    expert_mesh_name: str | None,
+    meshes: dict[str, Any],
+):
+    """Implementation ``impl`` (one of :data:`IMPLEMENTATIONS`) over ``model``'s params.
+
+    ``meshes``: the meshes the layout built, by name (:class:`shardmuon.parallel.AppliedLayout`);
+    only ``dion`` reads them.
+    """
+    from shardmuon import Muon
+    from shardmuon.routing import build_param_groups
+
+    if impl == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
+    routed = build_param_groups(
+        model.named_parameters(),
+        lr=lr,
+        weight_decay=WEIGHT_DECAY,
+        expert_mesh_name=expert_mesh_name,
+        **attention_dims(model_name),
+    )
+    if impl == "torch-muon":
+        return TorchMuonPair(routed.groups, lr)
+    if impl == "dion":
+        return make_dion(routed.groups, lr, fsdp_mesh(meshes))
+    return Muon(
+        routed.groups,
+        lr=lr,
+        nesterov=True,
+        weight_decay=WEIGHT_DECAY,
+        matrix_partitions=routed.partitions,
+        newton_schulz_coefficients=coefficients,
+        **SHARDMUON_OPTIONS[impl],
+    )
+
+
+def fsdp_mesh(meshes: dict[str, Any]):
+    """The 1-D mesh params are sharded over (HSDP: its shard dim), ``None`` without one."""
+    mesh = meshes.get("dp")
+    if mesh is None or mesh.ndim == 1:
+        return mesh
+    return mesh["dp_shard"]
+
+
+def make_dion(groups: list[dict], lr: float, mesh):
+    """dion's ``Muon`` over ``groups`` (their ``algorithm`` keys say muon or adamw).
+
+    Its settings match shardmuon's runs: Nesterov, weight decay 0.1, ``rms_norm`` lr
+    scaling. It takes no fused-weight partitions (it never splits a matrix) and uses its
+    own Newton-Schulz coefficients.
+    """
+    from dion import Muon as DionMuon
+
+    return DionMuon(
+        [dict(g) for g in groups],
+        distributed_mesh=mesh,
+        lr=lr,
+        nesterov=True,
+        weight_decay=WEIGHT_DECAY,
+        adjust_lr="rms_norm",
+    )
+
+
+class TorchMuonPair:
+    """``torch.optim.Muon`` on the 2-D Muon params, ``torch.optim.AdamW`` on the rest.
+
+    torch's Muon takes 2-D params only, so 3-D expert stacks go to AdamW here.
+    """
+
+    def __init__(self, groups: list[dict], lr: float) -> None:
+        muon_params, other = [], []
+        for group in groups:
+            for p in group["params"]:
+                is_matrix = group["algorithm"] == "muon" and p.dim() == 2
+                (muon_params if is_matrix else other).append(p)
+        self.muon = torch.optim.Muon(
+            muon_params,
+            lr=lr,
+            weight_decay=WEIGHT_DECAY,
+            nesterov=True,
+            adjust_lr_fn="match_rms_adamw",
+        )
+        self.adamw = torch.optim.AdamW(other, lr=lr, weight_decay=WEIGHT_DECAY)
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+    @property
+    def state(self) -> dict:
+        return {**self.muon.state, **self.adamw.state}

@@ -1,0 +1,227 @@
+"""The rank side of ``shardmuon bench step``: build, lay out, step, time, replay Newton–Schulz.
+
+Weights and grads are random from seeds made of the parameter name, the step and the rank
+only, so every implementation (and both passes of an ABBA run) sees the same weights and
+grads.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardmuon.bench.common import name_seed
+from shardmuon.bench.launch import RankContext
+from shardmuon.bench.memory import StepMemory, live_bytes, measure_cpu_step
+from shardmuon.bench.optimizers import SHARDMUON_OPTIONS, make_optimizer
+from shardmuon.bench.report import new_progress, repeat_times, synchronize
+from shardmuon.bench.volume import padded_scheme_bytes
+from shardmuon.layout import local_tensor
+from shardmuon.models import model_config
+from shardmuon.parallel import apply_layout
+
+__all__ = ["ORDERS", "StepConfig", "replay_newton_schulz", "run_order", "worker"]
+
+ORDERS: tuple[str, ...] = ("sequential", "abba")
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Everything a worker needs (picklable)."""
+
+    model: str
+    layers: int | None
+    vocab_size: int | None
+    layout: str
+    mesh_shape: tuple[int, ...] | None
+    steps: int
+    impls: tuple[str, ...]
+    coefficients: str
+    lr: float
+    seed: int
+    progress: bool
+    order: str = "sequential"
+    ns_repeats: int = 5
+
+
+def run_order(impls: tuple[str, ...] | list[str], order: str) -> list[str]:
+    """The passes to run: each impl once, or mirrored (``abba``: A B C C B A)."""
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; accepted: {', '.join(ORDERS)}")
+    impls = list(impls)
+    return impls + impls[::-1] if order == "abba" else impls
+
+
+def _fill_normal_(t: torch.Tensor, std: float, seed: int) -> None:
+    local = local_tensor(t)
+    gen = torch.Generator(device=local.device).manual_seed(seed)
+    with torch.no_grad():
+        local.copy_(torch.randn(local.shape, generator=gen, device=local.device) * std)
+
+
+def _build(ctx: RankContext, cfg: StepConfig):
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(cfg.model, num_layers=cfg.layers, vocab_size=cfg.vocab_size)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layout = apply_layout(
+        model,
+        cfg.layout,
+        world_size=ctx.world_size if ctx.distributed else 1,
+        mesh_shape=cfg.mesh_shape,
+        device_type=ctx.device.type,
+    )
+    model.to_empty(device=ctx.device)
+    return model, layout
+
+
+def _init_weights(model: nn.Module, ctx: RankContext, seed: int) -> None:
+    for name, p in model.named_parameters():
+        _fill_normal_(p, INIT_STD, name_seed(seed, "w", name, ctx.rank))
+
+
+def _set_grads(model: nn.Module, ctx: RankContext, seed: int, step: int) -> None:
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            p.grad = torch.empty_like(p)
+        _fill_normal_(p.grad, 1.0, name_seed(seed, "g", step, name, ctx.rank))
+
+
+def _state_tensors(opt) -> list[torch.Tensor]:
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+def replay_newton_schulz(
+    opt, calls: list[tuple[int, int, int]], ctx: RankContext, repeats: int
+) -> list[float]:
+    """Seconds of each of ``repeats`` replays of the Newton–Schulz calls ``calls`` made.
+
+    ``calls``: ``last_step_stats.ns_calls`` of a step of ``opt`` (a ``shardmuon.Muon``),
+    the ``(batch, rows, cols)`` of every call in order. Each is made again, in that order,
+    with the implementation the step used (``NS_IMPLEMENTATIONS[opt.newton_schulz_impl]``),
+    the optimizer's coefficients and eps, on random bf16 inputs of those shapes (one input
+    per call, made beforehand). Every replay starts after a barrier, so all ranks run
+    theirs at the same time, as in the step; a rank with no calls still joins the barriers.
+    """
+    from shardmuon.optimizer import NS_IMPLEMENTATIONS
+
+    implementation = NS_IMPLEMENTATIONS[opt.newton_schulz_impl]
+    eps = float(opt.defaults["epsilon"])
+    gen = torch.Generator(device=ctx.device).manual_seed(name_seed("ns", ctx.rank))
+    inputs = [
+        torch.randn(shape, generator=gen, device=ctx.device).to(torch.bfloat16) for shape in calls
+    ]
+
+    def replay() -> None:
+        for X in inputs:
+            implementation(X, opt.coefficients, eps)
+
+    # No warm-up call: the step already ran these shapes (compiled ones included).
+    return repeat_times(replay, ctx.device, repeats, warmup=0, before=ctx.barrier)
+
+
+def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, advance) -> dict:
+    _init_weights(model, ctx, cfg.seed)
+    for p in model.parameters():
+        p.grad = None
+    opt = make_optimizer(
+        impl,
+        model,
+        model_name=cfg.model,
+        lr=cfg.lr,
+        coefficients=cfg.coefficients,
+        expert_mesh_name=layout.expert_mesh_name,
+        meshes=layout.meshes,
+    )
+    if hasattr(opt, "warmup"):
+        opt.warmup()
+    is_shardmuon = impl in SHARDMUON_OPTIONS
+    times, peaks, transients, stats = [], [], [], None
+    for step in range(cfg.steps):
+        _set_grads(model, ctx, cfg.seed, step)
+        ctx.barrier()
+        synchronize(ctx.device)
+        if ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+            before = torch.cuda.memory_allocated(ctx.device)
+        t0 = time.perf_counter()
+        opt.step()
+        synchronize(ctx.device)
+        times.append(time.perf_counter() - t0)
+        if ctx.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(ctx.device)
+            peaks.append(peak)
+            transients.append(peak - before)
+        if is_shardmuon:
+            stats = opt.last_step_stats
+        advance()
+    if ctx.device.type == "cuda":
+        memory = StepMemory(peak_bytes=max(peaks[1:]), transient_bytes=max(transients[1:]))
+    else:
+        # One more, profiled step (not timed: the profiler slows it down).
+        _set_grads(model, ctx, cfg.seed, cfg.steps)
+        baseline = live_bytes([*model.parameters(), *(p.grad for p in model.parameters())])
+        baseline += live_bytes(_state_tensors(opt))
+        memory = measure_cpu_step(opt.step, baseline)
+    result = {
+        "step_times_s": times,
+        "peak_bytes": memory.peak_bytes,
+        "transient_bytes": memory.transient_bytes,
+    }
+    if is_shardmuon:
+        result.update(
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            bytes_minimum=stats.bytes_minimum,
+            padded_scheme_bytes=padded_scheme_bytes(opt.chunks()),
+            replica_bytes_sent=stats.replica_bytes_sent,
+            num_batches=stats.num_batches,
+            matrices_orthogonalized=stats.matrices_orthogonalized,
+            ns_calls=[list(c) for c in stats.ns_calls],
+            ns_times_s=replay_newton_schulz(opt, stats.ns_calls, ctx, cfg.ns_repeats),
+        )
+    del opt
+    gc.collect()
+    return result
+
+
+def worker(ctx: RankContext, cfg: StepConfig) -> dict | None:
+    """The per-rank body: every pass of :func:`run_order`; rank 0 returns all ranks' figures.
+
+    ``per_pass[impl]`` is a list with one entry per pass of ``impl`` (two under ``abba``),
+    each the list of every rank's figures.
+    """
+    model, layout = _build(ctx, cfg)
+    passes = run_order(cfg.impls, cfg.order)
+    per_pass: dict[str, list[list[dict]]] = {}
+    show = cfg.progress and ctx.rank == 0
+    with new_progress(show) as progress:
+        task = (
+            progress.add_task("optimizer steps", total=len(passes) * cfg.steps)
+            if progress
+            else None
+        )
+
+        def advance() -> None:
+            if progress:
+                progress.advance(task)
+
+        for impl in passes:
+            gathered = ctx.gather(_run_impl(impl, model, layout, ctx, cfg, advance))
+            if ctx.rank == 0:
+                per_pass.setdefault(impl, []).append(gathered)
+    if ctx.rank != 0:
+        return None
+    return {
+        "per_pass": per_pass,
+        "threads": ctx.threads,
+        "device": str(ctx.device),
+        "world_size": ctx.world_size,
+        "mesh_shape": list(layout.plan.mesh_shape),
+    }
