@@ -358,9 +358,9 @@ class Muon(Optimizer):
 
         If it raises before the step counters advance (every input check), nothing has
         changed. If it raises after (out of memory in Newton–Schulz, a failed collective),
-        the counters have advanced, chunks already finished are updated, batches prepared
-        but not finished have their momentum updated and parameters unchanged, and the rest
-        is untouched: restore a checkpoint rather than step again.
+        the counters have advanced, every Muon momentum is updated (one ``_foreach`` pass at
+        the start), chunks already finished are updated, and the other parameters are
+        unchanged: restore a checkpoint rather than step again.
         """
         loss = None
         if closure is not None:

@@ -196,6 +196,38 @@ def _update_momentum(ctx: StepContext, run: BatchRun) -> None:
         run.momentum_done += 1
 
 
+def update_all_momenta(ctx: StepContext, runs: list[BatchRun]) -> None:
+    """``M = mu*M + G`` for every run whose momenta are views, with one ``_foreach`` pair per
+    ``mu`` (the same element-wise ops, so the same bits, in two calls instead of two per
+    segment: on a GPU, two multi-tensor kernels). Other runs update theirs in *prepare*."""
+    by_mu: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+    ready: list[BatchRun] = []
+    for run in runs:
+        if run.momentum_done:
+            continue
+        pairs = []
+        for seg in run.segments:
+            p = ctx.plan.params[seg.param_index]
+            momentum, commit = ctx.writable(seg.param_index, ctx.state[p]["momentum"])
+            if commit is not _nothing:
+                break
+            grad = ctx.matrices(seg.param_index, p.grad)[seg.start : seg.stop]
+            pairs.append(
+                (ctx.group_settings(seg.param_index).mu, momentum[seg.start : seg.stop], grad)
+            )
+        else:
+            for mu, momentum, grad in pairs:
+                moms, grads = by_mu.setdefault(mu, ([], []))
+                moms.append(momentum)
+                grads.append(grad)  # a bf16 grad is added exactly, with no fp32 copy
+            ready.append(run)
+    for mu, (moms, grads) in by_mu.items():
+        torch._foreach_mul_(moms, mu)
+        torch._foreach_add_(moms, grads)
+    for run in ready:
+        run.momentum_done = len(run.segments)
+
+
 def write_directions(ctx: StepContext, run: BatchRun, out: Tensor) -> None:
     """Each segment's direction, rounded to bf16, into consecutive matrices of ``out``."""
     plan = ctx.plan
@@ -362,12 +394,12 @@ def run_step(ctx: StepContext, budget: int, max_in_flight: int) -> int:
     plan = ctx.plan
     batches = plan.batches
     sizes = [batch_bytes(b) for b in batches]
-    runs: dict[int, BatchRun] = {}
+    runs = {i: new_run(ctx, batch) for i, batch in enumerate(batches)}
+    update_all_momenta(ctx, list(runs.values()))
     held = peak = 0
     adamw_done = False
     for phase, i in schedule(sizes, budget, max_in_flight):
         if phase == "prepare":
-            runs[i] = new_run(ctx, batches[i])
             prepare(ctx, runs[i])
             held += sizes[i].held
         elif phase == "compute":
