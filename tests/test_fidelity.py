@@ -1178,7 +1178,9 @@ def _adamw_failing_after_first_param(real: Callable) -> Callable:
                 state["fired"] = True
                 raise _Injected("injected failure")
 
-        real(*args, on_param_done=done, **kwargs)
+        # One parameter per _foreach run, so that "after the first parameter" is a point
+        # between runs (the unit a resumed chunk skips).
+        real(*args, on_param_done=done, **{**kwargs, "max_temp_bytes": 1})
 
     wrapper.state = state
     return wrapper

@@ -286,3 +286,34 @@ def test_distributed(worlds, name) -> None:
     failures = worlds[2].failures(name)
     if failures:
         pytest.fail("\n\n".join(failures), pytrace=False)
+
+
+# ------------------------------------------------------------------ AdamW runs
+
+
+def test_adamw_runs_fit_the_budget_and_do_not_change_the_bits() -> None:
+    from shardmuon.adamw import TEMP_BYTES_PER_ELEMENT, _runs, adamw_update_
+
+    sizes = [100, 30, 500, 20, 20]
+    runs = _runs(sizes, 160 * TEMP_BYTES_PER_ELEMENT)
+    assert [i for run in runs for i in run] == list(range(len(sizes)))
+    for run in runs:  # within the budget, or a single parameter larger than it
+        assert len(run) == 1 or sum(sizes[i] for i in run) <= 160
+    assert runs == [[0, 1], [2], [3, 4]]
+
+    def state(seed: int):
+        g = torch.Generator().manual_seed(seed)
+        return [[torch.randn(n, generator=g) for n in sizes] for _ in range(4)]
+
+    results = []
+    for budget in (None, 160 * TEMP_BYTES_PER_ELEMENT, 1):
+        X, G, M, V = state(0)
+        V = [v.abs() for v in V]
+        for step in (1, 2):
+            adamw_update_(
+                X, G, M, V, lr=0.01, beta1=0.9, beta2=0.95, weight_decay=0.1,
+                epsilon=1e-8, step=step, max_temp_bytes=budget,
+            )  # fmt: skip
+        results.append(X + M + V)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))

@@ -1,14 +1,15 @@
 """AdamW for the non-matrix parameters, with dion's exact arithmetic (plain local tensors).
 
-dion (samsja/dion@3c4bce5, ``scalar_opts.adamw_update``) turns the hyper-parameters into
+dion (samsja/dion@3c4bce5, ``scalar_opts.adamw_update_foreach``) turns the hyper-parameters into
 float32 0-d tensors and computes, with ``t`` the group step after its increment::
 
     M = lerp(M, G, 1 - beta1);  V = lerp(V, G*G, 1 - beta2)
     denom = sqrt(V) / sqrt(1 - beta2**t) + eps
     X = X * (1 - lr*wd);  X = X - (M / denom) * (lr / (1 - beta1**t))
 
-Reproducing the same operation order (and the float32 scalars) keeps AdamW-routed
-parameters within an ulp of dion, which is what makes a dion checkpoint resume cleanly.
+Reproducing the same operations (``torch._foreach_*``, in the same order, with the float32
+scalars) keeps AdamW-routed parameters within an ulp of dion, which is what makes a dion
+checkpoint resume cleanly.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["adamw_update_"]
+__all__ = ["adamw_temp_bytes", "adamw_update_"]
 
 
 def adamw_update_(
@@ -33,12 +34,17 @@ def adamw_update_(
     weight_decay: float,
     epsilon: float,
     step: int,
+    max_temp_bytes: int | None = None,
     on_param_done: Callable[[int], None] | None = None,
 ) -> None:
     """One AdamW step on lists of same-length local tensors; params and state change in place.
 
-    ``on_param_done(i)`` is called after parameter ``i`` is fully updated (lets a caller
-    resume a step that failed part-way without stepping a parameter twice).
+    The parameters go through ``torch._foreach_*`` ops in runs whose fp32 temporaries
+    (``G*G``, the denominator, ``M/denom``, a cast grad: 16 bytes per element) stay within
+    ``max_temp_bytes`` (one parameter at least; ``None``: all in one run). Each op is the
+    per-tensor op dion's foreach AdamW uses, so the bits do not depend on the runs.
+    ``on_param_done(i)`` is called for every parameter ``i`` of a run once the run is done
+    (lets a caller resume a step that failed part-way without stepping a parameter twice).
     """
     lr_t = torch.tensor(lr)
     beta1_t = torch.tensor(beta1)
@@ -49,12 +55,52 @@ def adamw_update_(
     bias2_sqrt = (1 - beta2_t**step).sqrt()
     decay = 1 - lr_t * wd_t
     step_size = lr_t / bias1
-    for i, (param, grad, momentum, variance) in enumerate(zip(params, grads, momenta, variances)):
-        grad = grad.to(momentum.dtype)
-        momentum.lerp_(grad, 1 - beta1_t)
-        variance.lerp_((grad * grad).to(variance.dtype), 1 - beta2_t)
-        denom = variance.sqrt().div_(bias2_sqrt).add_(eps_t)
-        param.mul_(decay)
-        param.sub_(momentum.div(denom).mul_(step_size))
+    one_minus_beta1 = 1 - beta1_t
+    one_minus_beta2 = 1 - beta2_t
+    for run in _runs([p.numel() for p in params], max_temp_bytes):
+        X = [params[i] for i in run]
+        M = [momenta[i] for i in run]
+        V = [variances[i] for i in run]
+        G = [grads[i].to(momenta[i].dtype) for i in run]
+        torch._foreach_lerp_(M, G, [one_minus_beta1] * len(run))
+        squares = [sq.to(v.dtype) for sq, v in zip(torch._foreach_mul(G, G), V)]
+        torch._foreach_lerp_(V, squares, [one_minus_beta2] * len(run))
+        del squares, G
+        denom = torch._foreach_sqrt(V)
+        torch._foreach_div_(denom, bias2_sqrt)
+        torch._foreach_add_(denom, [eps_t] * len(run))
+        torch._foreach_mul_(X, decay)
+        quotient = torch._foreach_div(M, denom)
+        del denom
+        torch._foreach_mul_(quotient, step_size)
+        torch._foreach_sub_(X, quotient)
         if on_param_done is not None:
-            on_param_done(i)
+            for i in run:
+                on_param_done(i)
+
+
+# fp32 temporaries per element at the worst moment of a run (see adamw_update_).
+TEMP_BYTES_PER_ELEMENT = 16
+
+
+def adamw_temp_bytes(sizes: list[int], max_temp_bytes: int | None) -> int:
+    """The largest run's temporaries for parameters of these element counts."""
+    runs = _runs(sizes, max_temp_bytes)
+    return max((TEMP_BYTES_PER_ELEMENT * sum(sizes[i] for i in run) for run in runs), default=0)
+
+
+def _runs(sizes: list[int], max_temp_bytes: int | None) -> list[list[int]]:
+    """Consecutive index runs whose temporaries fit ``max_temp_bytes`` (at least one each)."""
+    if max_temp_bytes is None:
+        return [list(range(len(sizes)))] if sizes else []
+    runs: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        need = TEMP_BYTES_PER_ELEMENT * size
+        if runs and used + need <= max_temp_bytes:
+            runs[-1].append(i)
+            used += need
+        else:
+            runs.append([i])
+            used = need
+    return runs

@@ -385,6 +385,7 @@ class Muon(Optimizer):
             newton_schulz=NS_IMPLEMENTATIONS[self.newton_schulz_impl],
             coefficients=self.coefficients,
             device=self._device(),
+            workspace_bytes=self.workspace_bytes,
         )
 
     @torch.no_grad()

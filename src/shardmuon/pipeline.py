@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardmuon.adamw import adamw_update_
+from shardmuon.adamw import adamw_temp_bytes, adamw_update_
 from shardmuon.exchange import BatchExchange
 from shardmuon.layout import MuonBatch, Segment, local_tensor
 from shardmuon.newton_schulz import newton_schulz
@@ -73,6 +73,7 @@ class StepContext:
     newton_schulz: NewtonSchulzFn
     coefficients: tuple
     device: torch.device
+    workspace_bytes: int | None = None
     settings: list[GroupSettings] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -382,6 +383,7 @@ def step_adamw(ctx: StepContext, chunk: AdamWChunk, progress: AdamWProgress | No
         weight_decay=setting_float(group["weight_decay"]),
         epsilon=setting_float(group["epsilon"]),
         step=int(group["step"]),
+        max_temp_bytes=ctx.workspace_bytes,
         on_param_done=done,
     )
 
@@ -404,6 +406,7 @@ def run_step(ctx: StepContext, budget: int, max_in_flight: int) -> int:
             held += sizes[i].held
         elif phase == "compute":
             if not adamw_done:
+                peak = max(peak, held + _adamw_peak(ctx))
                 for chunk in plan.adamw:
                     step_adamw(ctx, chunk)
                 adamw_done = True
@@ -413,6 +416,17 @@ def run_step(ctx: StepContext, budget: int, max_in_flight: int) -> int:
             held -= sizes[i].held
         peak = max(peak, held + sizes[i].peak)
     if not adamw_done:
+        peak = max(peak, _adamw_peak(ctx))
         for chunk in plan.adamw:
             step_adamw(ctx, chunk)
+    return peak
+
+
+def _adamw_peak(ctx: StepContext) -> int:
+    """The largest fp32 temporaries of the AdamW chunks' ``_foreach`` runs."""
+    peak = 0
+    for chunk in ctx.plan.adamw:
+        group = ctx.param_groups[chunk.group_index]
+        sizes = [p.numel() for p in map(local_tensor, group["params"])]
+        peak = max(peak, adamw_temp_bytes(sizes, ctx.workspace_bytes))
     return peak
