@@ -72,6 +72,8 @@ class MuonConfig(BaseModel):
     newton_schulz_coefficients: CoefficientSpec = None
     max_in_flight: int = 3
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
+    offload: Literal["state"] | None = None
+    offload_prefetch: int = 2
     flatten: bool = False
     split_replicas: bool = False
     rotate_owners: bool = True
@@ -146,6 +148,13 @@ class MuonConfig(BaseModel):
     def _max_in_flight(cls, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {value!r}")
+        return value
+
+    @field_validator("offload_prefetch", mode="before")
+    @classmethod
+    def _offload_prefetch(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"offload_prefetch must be an int >= 1, got {value!r}")
         return value
 
     @field_validator("workspace_bytes", mode="before")

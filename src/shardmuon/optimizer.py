@@ -29,10 +29,13 @@ from shardmuon.newton_schulz import (
     newton_schulz_unfolded,
     resolve_coefficients,
 )
+from shardmuon.offload import OFFLOAD_CHOICES, StateStager, host_copy
 from shardmuon.pipeline import (
     AdamWProgress,
     BatchRun,
     StepContext,
+    adamw_state_views,
+    momentum_views,
     new_run,
     orthogonalize_run,
     run_step,
@@ -92,6 +95,13 @@ class Muon(Optimizer):
             buffers; see ``workspace.py``): batches are admitted into flight only while
             their estimated bytes fit, and local stacks are cut to fit. A single batch
             larger than the budget runs alone. Default 512 MiB.
+        offload: ``"state"`` keeps ``momentum``/``variance`` in host memory (pinned when the
+            parameters are on an accelerator) and streams each chunk's state to the device
+            just before the chunk needs it and back right after (see ``offload.py``);
+            ``None`` (default) keeps the state with the parameters. The update is the same,
+            bit for bit.
+        offload_prefetch: with offload, how many chunks' state may be on the device at once
+            (the chunk being stepped and the ones loading ahead of it); default 2.
         newton_schulz_impl: ``"folded"`` (default), ``"unfolded"`` (dion's bf16 recipe,
             for benchmarks) or ``"compiled"`` (``"folded"`` through ``torch.compile``).
         rotate_owners: continue owners round-robin across batches (``False`` for benchmarks).
@@ -133,6 +143,8 @@ class Muon(Optimizer):
         matrix_partitions: dict[Tensor, Sequence[int]] | None = None,
         max_in_flight: int = 3,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        offload: str | None = None,
+        offload_prefetch: int = 2,
         newton_schulz_impl: str = "folded",
         rotate_owners: bool = True,
         split_replicas: bool = False,
@@ -184,6 +196,8 @@ class Muon(Optimizer):
         self.coefficients = resolve_coefficients(newton_schulz_coefficients)
         self.max_in_flight = max_in_flight
         self.workspace_bytes = workspace_bytes
+        self.offload = offload
+        self.offload_prefetch = offload_prefetch
         self.rotate_owners = rotate_owners
         self.split_replicas = split_replicas
         self.check_grads = check_grads
@@ -204,6 +218,7 @@ class Muon(Optimizer):
         self._plan_verified = False
         self._round: set[int] | None = None
         self._pending: dict[int, Any] = {}
+        self._state_stager: StateStager | None = None
         self.last_step_stats = StepStats()
 
     def _check_options(self) -> None:
@@ -223,6 +238,14 @@ class Muon(Optimizer):
             raise TypeError(f"workspace_bytes must be an int > 0 (bytes), got {budget!r}")
         if budget <= 0:
             raise ValueError(f"workspace_bytes must be an int > 0 (bytes), got {budget!r}")
+        if self.offload not in OFFLOAD_CHOICES:
+            raise ValueError(
+                f"unknown offload {self.offload!r}; accepted: "
+                f"{', '.join(map(repr, OFFLOAD_CHOICES))}"
+            )
+        prefetch = self.offload_prefetch
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError(f"offload_prefetch must be an int >= 1, got {prefetch!r}")
         if self.newton_schulz_impl not in NS_IMPLEMENTATIONS:
             raise ValueError(
                 f"unknown newton_schulz_impl {self.newton_schulz_impl!r}; accepted: "
@@ -315,9 +338,30 @@ class Muon(Optimizer):
                 for key in keys:
                     value = state.get(key)
                     if value is None:
-                        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        value = torch.zeros_like(p, memory_format=torch.preserve_format)
                     elif isinstance(p, DTensor) and not isinstance(value, DTensor):
-                        state[key] = _distribute_like(value, p)
+                        value = _distribute_like(value, p)
+                    state[key] = self._placed(value, p)
+
+    def _placed(self, value: Tensor, param: Tensor) -> Tensor:
+        """State where it lives: in (pinned) host memory with offload, else with its param."""
+        local = local_tensor(value)
+        device = local_tensor(param).device
+        if self.offload == "state":
+            pinned = device.type == "cpu" or not torch.cuda.is_available() or local.is_pinned()
+            if local.device.type == "cpu" and local.is_contiguous() and pinned:
+                return value
+            local = host_copy(local, device)
+        elif local.device == device:
+            return value
+        else:
+            local = local.to(device)
+        if isinstance(param, DTensor):
+            return DTensor.from_local(
+                local, param.device_mesh, param.placements, shape=param.shape,
+                stride=param.stride(), run_check=False,
+            )  # fmt: skip
+        return local
 
     def chunks(self) -> list[Chunk]:
         """The list of chunks: Muon batches (exchanged ones first), then AdamW groups.
@@ -372,9 +416,20 @@ class Muon(Optimizer):
                 f"{len(self.chunks())} chunks stepped); step the remaining chunks first"
             )
         self._begin_round()
-        peak = run_step(self._context(), self.workspace_bytes, self.max_in_flight)
+        stager = self._stager()
+        peak = run_step(self._context(), self.workspace_bytes, self.max_in_flight, stager)
         self.last_step_stats.workspace_peak_bytes = peak
         return loss
+
+    def _stager(self) -> StateStager | None:
+        if self.offload != "state":
+            return None
+        if self._state_stager is None or self._state_stager.prefetch != self.offload_prefetch:
+            self._state_stager = StateStager(
+                self._device(), self.offload_prefetch, self.last_step_stats
+            )
+        self._state_stager.stats = self.last_step_stats
+        return self._state_stager
 
     def _context(self) -> StepContext:
         return StepContext(
@@ -429,12 +484,20 @@ class Muon(Optimizer):
             self._round = set()
         progress = self._pending.pop(key, None)
         ctx = self._context()
+        stager = self._stager()
         try:
             if isinstance(chunk, AdamWChunk):
                 progress = progress or AdamWProgress()
-                step_adamw(ctx, chunk, progress)
+                staged = None
+                if stager is not None:
+                    stager.load(key, adamw_state_views(ctx, chunk))
+                    staged = stager.acquire(key)
+                step_adamw(ctx, chunk, progress, staged=staged)
             else:
                 progress = progress or new_run(ctx, chunk)
+                if stager is not None and not progress.prepared:
+                    stager.load(key, momentum_views(ctx, progress))
+                    progress.momenta = stager.acquire(key)
                 step_batch(ctx, progress)
                 stats = self.last_step_stats
                 stats.workspace_peak_bytes = max(
@@ -444,6 +507,11 @@ class Muon(Optimizer):
             if progress is not None:
                 self._pending[key] = progress
             raise
+        finally:
+            if isinstance(progress, BatchRun):
+                progress.momenta = None
+            if stager is not None:
+                stager.store_all()
         self._round.add(key)
         if len(self._round) == len(chunks):
             self._round = None
@@ -575,11 +643,16 @@ class Muon(Optimizer):
                 "load_state_dict during a step_chunk round; step the remaining chunks first"
             )
         merged = checked_groups(state_dict, self.param_groups, self._make_plan)
+        if self._state_stager is not None:
+            self._state_stager.wait_host()
         # torch runs the post-hooks at the end of its load; they must see the finished load.
         post_hooks = self._optimizer_load_state_dict_post_hooks
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         try:
-            super().load_state_dict(state_dict)
+            if self.offload == "state":
+                self._load_to_host(state_dict)
+            else:
+                super().load_state_dict(state_dict)
         finally:
             self._optimizer_load_state_dict_post_hooks = post_hooks
         for group, full in zip(self.param_groups, merged):
@@ -596,6 +669,44 @@ class Muon(Optimizer):
         for hook in post_hooks.values():
             hook(self)
 
+    def _load_to_host(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, but state values are never moved to the parameters' device.
+
+        torch casts every state tensor to its parameter's device; with offload that would
+        need device memory for the whole state. Here torch loads the groups only, and the
+        state is cast to the parameters' dtype where it is, then placed in host memory.
+        """
+        pre_hooks = self._optimizer_load_state_dict_pre_hooks
+        for hook in pre_hooks.values():
+            changed = hook(self, state_dict)
+            if changed is not None:
+                state_dict = changed
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        try:
+            super().load_state_dict({**state_dict, "state": {}})
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre_hooks
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        by_id = dict(zip(saved_ids, params))
+        for saved_id, entry in state_dict["state"].items():
+            param = by_id.get(saved_id)
+            if param is None or not isinstance(entry, dict):
+                continue
+            self.state[param] = {
+                key: value.to(dtype=param.dtype)
+                if isinstance(value, Tensor) and key != "step" and param.is_floating_point()
+                else value
+                for key, value in entry.items()
+            }
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict (dion's keys); with offload, the host state as it is (no copy
+        to the device), after any store still in flight has landed."""
+        if self._state_stager is not None:
+            self._state_stager.wait_host()
+        return super().state_dict()
+
     # ----------------------------------------------------------------- copies
 
     def __getstate__(self) -> dict[str, Any]:
@@ -606,6 +717,8 @@ class Muon(Optimizer):
             "coefficients": self.coefficients,
             "max_in_flight": self.max_in_flight,
             "workspace_bytes": self.workspace_bytes,
+            "offload": self.offload,
+            "offload_prefetch": self.offload_prefetch,
             "rotate_owners": self.rotate_owners,
             "split_replicas": self.split_replicas,
             "check_grads": self.check_grads,

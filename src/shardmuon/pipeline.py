@@ -32,6 +32,7 @@ from shardmuon.adamw import adamw_temp_bytes, adamw_update_
 from shardmuon.exchange import BatchExchange
 from shardmuon.layout import MuonBatch, Segment, local_tensor
 from shardmuon.newton_schulz import newton_schulz
+from shardmuon.offload import StateStager
 from shardmuon.partitions import orthogonalize_blocks
 from shardmuon.plan import AdamWChunk, Plan, setting_float
 from shardmuon.telemetry import StepStats
@@ -146,6 +147,7 @@ class BatchRun:
     segments: list[Segment]
     receives_from_replica: bool
     buffer: Tensor | None = None  # bf16 directions: the send buffer or the local stack
+    momenta: list[Tensor] | None = None  # per segment, staged on the device (offload)
     exchange: BatchExchange | None = None
     results: Tensor | None = None  # bf16 [n, local_rows, local_cols] for this rank
     results_ready: bool = False  # received (and shared across replicas)
@@ -181,17 +183,34 @@ def _active_owners(batch: MuonBatch, segments: list[Segment]) -> tuple[int, ...]
     return tuple(o for u, o in zip(units, batch.owners) if u in active)
 
 
+def _segment_momentum(ctx: StepContext, run: BatchRun, k: int) -> tuple[Tensor, Callable[[], None]]:
+    """Segment ``k``'s momentum ``[count, rows, cols]`` (its staged copy under offload)."""
+    if run.momenta is not None:
+        return run.momenta[k], _nothing
+    seg = run.segments[k]
+    p = ctx.plan.params[seg.param_index]
+    momentum, commit = ctx.writable(seg.param_index, ctx.state[p]["momentum"])
+    return momentum[seg.start : seg.stop], commit
+
+
+def momentum_views(ctx: StepContext, run: BatchRun) -> list[Tensor]:
+    """Views of the (host) momentum of each segment of ``run``, for staging."""
+    return [
+        ctx.matrices(s.param_index, ctx.state[ctx.plan.params[s.param_index]]["momentum"])[
+            s.start : s.stop
+        ]
+        for s in run.segments
+    ]
+
+
 def _update_momentum(ctx: StepContext, run: BatchRun) -> None:
     plan = ctx.plan
-    for seg in run.segments[run.momentum_done :]:
-        p = plan.params[seg.param_index]
-        momentum, commit = ctx.writable(seg.param_index, ctx.state[p]["momentum"])
-        grad = ctx.matrices(seg.param_index, p.grad)
+    for k in range(run.momentum_done, len(run.segments)):
+        seg = run.segments[k]
+        momentum, commit = _segment_momentum(ctx, run, k)
+        grad = ctx.matrices(seg.param_index, plan.params[seg.param_index].grad)
         momentum_update_(
-            momentum[seg.start : seg.stop],
-            grad[seg.start : seg.stop],
-            ctx.group_settings(seg.param_index).mu,
-            False,
+            momentum, grad[seg.start : seg.stop], ctx.group_settings(seg.param_index).mu, False
         )
         commit()
         run.momentum_done += 1
@@ -233,10 +252,10 @@ def write_directions(ctx: StepContext, run: BatchRun, out: Tensor) -> None:
     """Each segment's direction, rounded to bf16, into consecutive matrices of ``out``."""
     plan = ctx.plan
     offset = 0
-    for seg in run.segments:
+    for k, seg in enumerate(run.segments):
         p = plan.params[seg.param_index]
         settings = ctx.group_settings(seg.param_index)
-        momentum = ctx.matrices(seg.param_index, ctx.state[p]["momentum"])[seg.start : seg.stop]
+        momentum = _segment_momentum(ctx, run, k)[0]
         target = out[offset : offset + seg.count]
         if settings.nesterov:
             grad = ctx.matrices(seg.param_index, p.grad)[seg.start : seg.stop]
@@ -361,12 +380,31 @@ def step_batch(ctx: StepContext, run: BatchRun) -> None:
     finish(ctx, run)
 
 
-def step_adamw(ctx: StepContext, chunk: AdamWChunk, progress: AdamWProgress | None = None) -> None:
-    """AdamW on one group; ``progress`` counts the parameters done (for a resumed chunk)."""
+def adamw_params(ctx: StepContext, chunk: AdamWChunk) -> list[Tensor]:
+    """The parameters of an AdamW chunk that have grads (the ones it steps)."""
+    return [p for p in ctx.param_groups[chunk.group_index]["params"] if p.grad is not None]
+
+
+def adamw_state_views(ctx: StepContext, chunk: AdamWChunk) -> list[Tensor]:
+    """The (host) local momenta, then variances, of the chunk's parameters with grads."""
+    params = adamw_params(ctx, chunk)
+    return [local_tensor(ctx.state[p][key]) for key in ("momentum", "variance") for p in params]
+
+
+def step_adamw(
+    ctx: StepContext,
+    chunk: AdamWChunk,
+    progress: AdamWProgress | None = None,
+    staged: list[Tensor] | None = None,
+) -> None:
+    """AdamW on one group; ``progress`` counts the parameters done (for a resumed chunk);
+    ``staged``: the state as :func:`adamw_state_views` lists it, on the device (offload)."""
     group = ctx.param_groups[chunk.group_index]
-    params = [p for p in group["params"] if p.grad is not None]
+    params = adamw_params(ctx, chunk)
+    state = staged if staged is not None else adamw_state_views(ctx, chunk)
+    momenta, variances = state[: len(params)], state[len(params) :]
     start = progress.done if progress is not None else 0
-    params = params[start:]
+    params, momenta, variances = params[start:], momenta[start:], variances[start:]
 
     def done(_: int) -> None:
         if progress is not None:
@@ -375,8 +413,8 @@ def step_adamw(ctx: StepContext, chunk: AdamWChunk, progress: AdamWProgress | No
     adamw_update_(
         [local_tensor(p) for p in params],
         [local_tensor(p.grad) for p in params],
-        [local_tensor(ctx.state[p]["momentum"]) for p in params],
-        [local_tensor(ctx.state[p]["variance"]) for p in params],
+        momenta,
+        variances,
         lr=setting_float(group["lr"]),
         beta1=setting_float(group["beta1"]),
         beta2=setting_float(group["beta2"]),
@@ -388,38 +426,84 @@ def step_adamw(ctx: StepContext, chunk: AdamWChunk, progress: AdamWProgress | No
     )
 
 
-def run_step(ctx: StepContext, budget: int, max_in_flight: int) -> int:
+def run_step(
+    ctx: StepContext, budget: int, max_in_flight: int, stager: StateStager | None = None
+) -> int:
     """Every batch and AdamW chunk of the plan, pipelined; returns the estimated peak bytes.
 
-    AdamW runs once the first batch's gather is under way (it overlaps that traffic).
+    AdamW runs once the first batch's gather is under way (it overlaps that traffic). With
+    a ``stager`` (offload), each batch's momentum and each AdamW chunk's state is loaded
+    ``stager.prefetch`` chunks ahead of its use and stored right after it.
     """
     plan = ctx.plan
-    batches = plan.batches
-    sizes = [batch_bytes(b) for b in batches]
-    runs = {i: new_run(ctx, batch) for i, batch in enumerate(batches)}
-    update_all_momenta(ctx, list(runs.values()))
+    sizes = [batch_bytes(b) for b in plan.batches]
+    runs = {i: new_run(ctx, batch) for i, batch in enumerate(plan.batches)}
+    if stager is None:
+        update_all_momenta(ctx, list(runs.values()))
+    ops = _with_adamw(schedule(sizes, budget, max_in_flight), len(plan.adamw))
+    staging = _Staging(ctx, stager, runs, ops) if stager is not None else None
     held = peak = 0
-    adamw_done = False
-    for phase, i in schedule(sizes, budget, max_in_flight):
-        if phase == "prepare":
-            prepare(ctx, runs[i])
-            held += sizes[i].held
-        elif phase == "compute":
-            if not adamw_done:
-                peak = max(peak, held + _adamw_peak(ctx))
-                for chunk in plan.adamw:
-                    step_adamw(ctx, chunk)
-                adamw_done = True
-            compute(ctx, runs[i])
-        else:
-            finish(ctx, runs.pop(i))
-            held -= sizes[i].held
-        peak = max(peak, held + sizes[i].peak)
-    if not adamw_done:
-        peak = max(peak, _adamw_peak(ctx))
-        for chunk in plan.adamw:
-            step_adamw(ctx, chunk)
+    try:
+        for phase, i in ops:
+            if phase == "adamw":
+                if i == 0:
+                    peak = max(peak, held + _adamw_peak(ctx))
+                staged = staging.take() if staging else None
+                step_adamw(ctx, plan.adamw[i], staged=staged)
+                if staging:
+                    staging.release()
+                continue
+            if phase == "prepare":
+                if staging:
+                    runs[i].momenta = staging.take()
+                prepare(ctx, runs[i])
+                runs[i].momenta = None
+                if staging:
+                    staging.release()
+                held += sizes[i].held
+            elif phase == "compute":
+                compute(ctx, runs[i])
+            else:
+                finish(ctx, runs.pop(i))
+                held -= sizes[i].held
+            peak = max(peak, held + sizes[i].peak)
+    finally:
+        if stager is not None:
+            stager.store_all()
     return peak
+
+
+def _with_adamw(ops: list[tuple[str, int]], num_adamw: int) -> list[tuple[str, int]]:
+    """``ops`` with ``("adamw", k)`` for every AdamW chunk before the first compute."""
+    first = next((k for k, (phase, _) in enumerate(ops) if phase == "compute"), len(ops))
+    return [*ops[:first], *(("adamw", k) for k in range(num_adamw)), *ops[first:]]
+
+
+class _Staging:
+    """The state uses of a step in order (prepares and AdamW chunks), loaded ahead."""
+
+    def __init__(self, ctx: StepContext, stager: StateStager, runs: dict, ops: list) -> None:
+        self.ctx, self.stager, self.runs = ctx, stager, runs
+        self.uses = [op for op in ops if op[0] in ("prepare", "adamw")]
+        self.position = self.issued = 0
+
+    def _views(self, use: tuple[str, int]) -> list[Tensor]:
+        phase, i = use
+        if phase == "adamw":
+            return adamw_state_views(self.ctx, self.ctx.plan.adamw[i])
+        return momentum_views(self.ctx, self.runs[i])
+
+    def take(self) -> list[Tensor]:
+        """Load up to ``prefetch`` uses ahead; the device state of the current one."""
+        while self.issued < min(len(self.uses), self.position + self.stager.prefetch):
+            use = self.uses[self.issued]
+            self.stager.load(use, self._views(use))
+            self.issued += 1
+        return self.stager.acquire(self.uses[self.position])
+
+    def release(self) -> None:
+        self.stager.store(self.uses[self.position])
+        self.position += 1
 
 
 def _adamw_peak(ctx: StepContext) -> int:
