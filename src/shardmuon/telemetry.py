@@ -21,7 +21,9 @@ class StepStats:
     ``ns_calls``: the input shape ``(batch, rows, cols)`` of every Newton–Schulz call this
     rank made, in order (partition blocks and one-matrix calls as they ran), so a benchmark
     can time exactly the same calls; ``workspace_peak_bytes``: the estimated peak of the
-    step's transient buffers on this rank (``workspace.py``), what ``workspace_bytes`` caps.
+    step's transient buffers on this rank (``workspace.py``), what ``workspace_bytes`` caps;
+    ``offload_*`` (``offload="state"``): optimizer state copied host -> device and back,
+    and the most state bytes on the device at once.
     """
 
     bytes_sent: int = 0
@@ -34,6 +36,9 @@ class StepStats:
     replica_bytes_received: int = 0
     ns_calls: list[tuple[int, int, int]] = field(default_factory=list)
     workspace_peak_bytes: int = 0
+    offload_bytes_loaded: int = 0
+    offload_bytes_stored: int = 0
+    offload_workspace_peak_bytes: int = 0
 
     def add_traffic(self, send_splits: list[int], recv_splits: list[int], me: int) -> None:
         """Count one all-to-all given its split sizes (elements) and this rank's index."""
