@@ -42,7 +42,7 @@ from shardmuon.pipeline import (
     step_adamw,
     step_batch,
 )
-from shardmuon.plan import AdamWChunk, Plan, build_plan, plan_settings, setting_float
+from shardmuon.plan import AdamWChunk, ChunkInfo, Plan, build_plan, plan_settings, setting_float
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.telemetry import StepStats
 from shardmuon.validation import (
@@ -371,6 +371,31 @@ class Muon(Optimizer):
         """
         self._ensure_plan()
         return [*self._plan.batches, *self._plan.adamw]
+
+    def chunk_info(self, chunk: Chunk) -> ChunkInfo:
+        """What ``chunk`` (one of :meth:`chunks`) holds: parameters, matrices, state bytes."""
+        self._ensure_plan()
+        plan = self._plan
+        if isinstance(chunk, AdamWChunk):
+            params = tuple(self.param_groups[chunk.group_index]["params"])
+            nbytes = sum(
+                local_tensor(self.state[p][key]).nbytes
+                for p in params
+                for key in ("momentum", "variance")
+            )
+            return ChunkInfo("adamw", params, (), None, nbytes, False)
+        if not isinstance(chunk, MuonBatch) or all(chunk is not b for b in plan.batches):
+            raise ValueError("chunk_info got a chunk that is not in this optimizer's chunks()")
+        layout = chunk.layout
+        params = tuple(dict.fromkeys(plan.params[s.param_index] for s in chunk.segments))
+        per_matrix = layout.local_rows * layout.local_cols
+        nbytes = sum(
+            s.count * per_matrix * self.state[plan.params[s.param_index]]["momentum"].itemsize
+            for s in chunk.segments
+        )
+        shapes = ((layout.rows, layout.cols),) * chunk.num_matrices
+        local = (layout.local_rows, layout.local_cols)
+        return ChunkInfo("muon", params, shapes, local, nbytes, _communicates(chunk))
 
     def shard_groups(self) -> list[ShardGroup]:
         """Distinct process groups the Muon all-to-alls use, in first-use order."""

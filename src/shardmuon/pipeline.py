@@ -217,9 +217,10 @@ def _update_momentum(ctx: StepContext, run: BatchRun) -> None:
 
 
 def update_all_momenta(ctx: StepContext, runs: list[BatchRun]) -> None:
-    """``M = mu*M + G`` for every run whose momenta are views, with one ``_foreach`` pair per
-    ``mu`` (the same element-wise ops, so the same bits, in two calls instead of two per
-    segment: on a GPU, two multi-tensor kernels). Other runs update theirs in *prepare*."""
+    """``M = mu*M + G`` for every run whose momenta are fp32 views, with one ``_foreach``
+    pair per ``mu`` (the same element-wise ops, so the same bits, in two calls instead of
+    two per segment: on a GPU, two multi-tensor kernels). Other runs update theirs in
+    *prepare*."""
     by_mu: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
     ready: list[BatchRun] = []
     for run in runs:
@@ -229,7 +230,8 @@ def update_all_momenta(ctx: StepContext, runs: list[BatchRun]) -> None:
         for seg in run.segments:
             p = ctx.plan.params[seg.param_index]
             momentum, commit = ctx.writable(seg.param_index, ctx.state[p]["momentum"])
-            if commit is not _nothing:
+            # fp32 only: on bf16, _foreach_mul_ rounds differently from mul_ (tested).
+            if commit is not _nothing or momentum.dtype != torch.float32:
                 break
             grad = ctx.matrices(seg.param_index, p.grad)[seg.start : seg.stop]
             pairs.append(

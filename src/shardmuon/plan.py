@@ -16,7 +16,7 @@ from shardmuon.layout import MatrixLayout, MuonBatch, PlanEntry, matrix_layout, 
 from shardmuon.partitions import check_partitions, dion_group_partitions, row_scales
 from shardmuon.workspace import DEFAULT_WORKSPACE_BYTES, local_batch_size
 
-__all__ = ["AdamWChunk", "Plan", "build_plan", "plan_settings", "setting_float"]
+__all__ = ["AdamWChunk", "ChunkInfo", "Plan", "build_plan", "plan_settings", "setting_float"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,26 @@ class AdamWChunk:
     """All parameters of one AdamW group."""
 
     group_index: int
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """What one chunk of ``Muon.chunks()`` holds (for trainers that schedule or offload it).
+
+    ``params``: the parameters it updates, in order. ``matrix_shapes``: for a Muon chunk, the
+    global ``(rows, cols)`` of each of its matrices (empty for AdamW); ``local_shape``: this
+    rank's ``(rows, cols)`` of them. ``state_bytes``: this rank's bytes of optimizer state
+    the chunk reads and writes (Muon: the momentum of its matrices; AdamW: momentum and
+    variance). ``communicates``: stepping it runs a collective (then chunks must be stepped
+    in ``chunks()`` order).
+    """
+
+    kind: str
+    params: tuple[Tensor, ...]
+    matrix_shapes: tuple[tuple[int, int], ...]
+    local_shape: tuple[int, int] | None
+    state_bytes: int
+    communicates: bool
 
 
 @dataclass

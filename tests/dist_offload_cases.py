@@ -1,0 +1,115 @@
+"""``offload="state"`` on 2 gloo ranks (run by ``test_offload.py``): bitwise equal to one
+process and to no offload, under FSDP2 placements and a real ``fully_shard`` model, and
+DCP's optimizer state dict round trip keeps the state in host memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from dist_checks import S0, S1, Context, Spec, compare_with_single, make_context
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+
+from shardmuon import Muon
+from shardmuon.layout import local_tensor
+
+__all__ = ["CASES", "make_context"]
+
+SPECS = [
+    *[Spec((40, 24), (S0,))] * 3,  # exchanged (rows)
+    Spec((30, 16), (S0,)),  # 15 + 15 rows
+    Spec((24, 36), (S1,)),  # exchanged (columns)
+    Spec((4, 16, 24), (S0,)),  # expert stack: local
+    Spec((24,), (S0,), algorithm="adamw"),
+]
+
+
+def bitwise_with_one_process(ctx: Context) -> None:
+    # The distributed optimizer and a one-process one, both offloaded, from the same
+    # weights and grads: params, momentum, variance, counters and bytes checked.
+    _, problems = compare_with_single(ctx, SPECS, steps=3, offload="state", offload_prefetch=2)
+    assert not problems, "\n".join(problems)
+
+
+def _model(ctx: Context) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 24), nn.LayerNorm(24))
+    fully_shard(model, mesh=ctx.mesh)
+    return model
+
+
+def _optimizer(model: nn.Module, **kwargs) -> Muon:
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    return Muon(
+        [dict(params=matrices), dict(params=others, algorithm="adamw")],
+        lr=0.02,
+        nesterov=True,
+        weight_decay=0.1,
+        **kwargs,
+    )
+
+
+def _train(model: nn.Module, opt: Muon, steps: range) -> None:
+    for step in steps:
+        torch.manual_seed(1000 + step)
+        x = torch.randn(8, 24)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def fully_shard_model_bitwise(ctx: Context) -> None:
+    plain, offloaded = _model(ctx), _model(ctx)
+    a, b = _optimizer(plain), _optimizer(offloaded, offload="state")
+    _train(plain, a, range(3))
+    _train(offloaded, b, range(3))
+    for p, q in zip(plain.parameters(), offloaded.parameters()):
+        assert torch.equal(local_tensor(p), local_tensor(q))
+        for key in a.state[p]:
+            assert torch.equal(local_tensor(a.state[p][key]), local_tensor(b.state[q][key]))
+    stats = b.last_step_stats
+    assert stats.offload_bytes_loaded == stats.offload_bytes_stored > 0
+
+
+def dcp_state_dict_round_trip(ctx: Context) -> None:
+    reference = _model(ctx)
+    ref_opt = _optimizer(reference)
+    _train(reference, ref_opt, range(4))
+
+    model = _model(ctx)
+    opt = _optimizer(model, offload="state")
+    _train(model, opt, range(2))
+    saved = get_optimizer_state_dict(model, opt)
+    for entry in saved["state"].values():
+        for key in ("momentum", "variance"):
+            if key in entry:
+                assert local_tensor(entry[key]).device.type == "cpu"
+    saved = {
+        "state": {
+            k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in e.items()}
+            for k, e in saved["state"].items()
+        },
+        "param_groups": saved["param_groups"],
+    }
+    resumed_model = _model(ctx)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), resumed_model.parameters()):
+            local_tensor(q).copy_(local_tensor(p))
+    resumed = _optimizer(resumed_model, offload="state")
+    set_optimizer_state_dict(resumed_model, resumed, saved)
+    _train(resumed_model, resumed, range(2, 4))
+    for p, q in zip(reference.parameters(), resumed_model.parameters()):
+        assert torch.equal(local_tensor(p), local_tensor(q))
+
+
+CASES: dict[str, Callable[[Context], None]] = {
+    "bitwise_with_one_process": bitwise_with_one_process,
+    "fully_shard_model_bitwise": fully_shard_model_bitwise,
+    "dcp_state_dict_round_trip": dcp_state_dict_round_trip,
+}
