@@ -48,3 +48,45 @@ def test_muon_step_on_cuda_matches_cpu() -> None:
     for (cpu, gpu), x0 in zip(zip(*results), init):
         delta = (cpu - x0).norm()
         assert (cpu - gpu).norm() / delta < 0.03, f"shape {tuple(x0.shape)}"
+
+
+def _offload_run(offload: str | None, steps: int = 3):
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(256, 128)] * 4 + [(8, 128, 96), (128,)]
+    params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.05).cuda()) for s in shapes]
+    opt = Muon(
+        [dict(params=params[:5]), dict(params=params[5:], algorithm="adamw")],
+        lr=0.02,
+        weight_decay=0.1,
+        nesterov=True,
+        offload=offload,
+        offload_prefetch=2,
+    )
+    peaks = []
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).cuda()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        opt.step()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+    return params, opt, peaks
+
+
+def test_offload_on_cuda_is_bitwise_with_pinned_host_state() -> None:
+    plain, plain_opt, _ = _offload_run(None)
+    params, opt, peaks = _offload_run("state")
+    for p, q in zip(plain, params):
+        assert torch.equal(p, q)
+        for key, value in plain_opt.state[p].items():
+            host = opt.state[q][key]
+            assert host.device.type == "cpu" and host.is_pinned()
+            assert torch.equal(value.cpu(), host)  # state_dict-level reads wait for stores
+    infos = [opt.chunk_info(c) for c in opt.chunks()]
+    largest = max(i.state_bytes for i in infos)
+    stats = opt.last_step_stats
+    assert stats.offload_workspace_peak_bytes <= 2 * largest
+    # device memory of a step: its workspace plus at most two chunks of state
+    assert max(peaks[1:]) <= stats.workspace_peak_bytes + 2 * largest
