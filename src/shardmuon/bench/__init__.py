@@ -1,25 +1,27 @@
 """Benchmarks behind ``shardmuon bench``: ``step`` (optimizer step), ``ns`` (Newton–Schulz),
-``ab`` (update accuracy against a float64 Muon). See ``docs/benchmarks.md``."""
+``ab`` (update accuracy against a float64 Muon), ``plan`` (the plan at any scale, run nowhere).
+See ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
 __all__ = ["SUBCOMMANDS", "add_parser"]
 
-SUBCOMMANDS = ("step", "ns", "ab")
+SUBCOMMANDS = ("step", "ns", "ab", "plan")
 
 
 def add_parser(subparsers) -> None:
     """Register ``bench`` and its sub-commands on ``subparsers`` (argparse sub-parsers)."""
-    from shardmuon.bench import ab, ns, step
+    from shardmuon.bench import ab, ns, plan, step
     from shardmuon.cli_support import HelpFormatter
 
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: step (default), ns, ab",
+        help="benchmarks: step (default), ns, ab, plan",
         description="Benchmarks. With only options (or nothing), runs `step`.",
         formatter_class=HelpFormatter,
     )
-    sub = bench.add_subparsers(dest="bench_command", metavar="{step,ns,ab}")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{step,ns,ab,plan}")
     step.add_parser(sub)
     ns.add_parser(sub)
     ab.add_parser(sub)
+    plan.add_parser(sub)
