@@ -206,6 +206,18 @@ def test_loss_goes_down(runs):
 
 
 @pytest.mark.slow
+def test_offloaded_state_trains_bitwise_like_without(runs):
+    tmp = runs["tmp"]
+    losses = _run(offload="state", checkpoint_dir=str(tmp / "O"), checkpoint_every=STEPS)
+    assert losses == runs["U"]
+    plain = _dcp_tensors(tmp / "U" / f"step-{STEPS:06d}", tmp)
+    offloaded = _dcp_tensors(tmp / "O" / f"step-{STEPS:06d}", tmp)
+    assert plain.keys() == offloaded.keys()
+    for key, value in plain.items():
+        assert torch.equal(value, offloaded[key]), key
+
+
+@pytest.mark.slow
 def test_exact_resume_same_world_size(runs):
     tmp = runs["tmp"]
     assert runs["R"] == {s: runs["U"][s] for s in range(HALF + 1, STEPS + 1)}

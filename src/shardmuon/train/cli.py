@@ -102,6 +102,13 @@ def add_parser(subparsers) -> None:
         default=None,
         help=_resume_fixed_help("Nesterov momentum", "off"),
     )
+    train.add_argument(
+        "--offload",
+        choices=("none", "state"),
+        default="none",
+        help="Muon's optimizer-state offload: 'state' keeps momentum/variance in host memory, "
+        "streamed chunk by chunk (the same update, bit for bit; may differ from the checkpoint's)",
+    )
     train.add_argument("--steps", type=int, default=defaults.steps, help="train up to this step")
     train.add_argument(
         "--batch-size", type=int, default=defaults.batch_size, help="global batch size"
@@ -197,6 +204,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         max_len=args.max_len,
         nproc=args.nproc,
         layout=args.layout,
+        offload=None if args.offload == "none" else args.offload,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,

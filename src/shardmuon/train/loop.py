@@ -55,6 +55,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     mu: float = 0.95
     nesterov: bool = False
+    offload: str | None = None
     steps: int = 150
     batch_size: int = 128
     seed: int = 0
@@ -242,6 +243,7 @@ def build_optimizer(
         update_rms=config.update_rms,
         newton_schulz_coefficients=config.coefficients,
         matrix_partitions=routed.partitions,
+        offload=config.offload,
     )
 
 
