@@ -19,10 +19,12 @@ from shardmuon.models import attention_dims
 __all__ = [
     "DEFAULT_OFF",
     "IMPLEMENTATIONS",
+    "OFFLOAD_SUFFIX",
     "SHARDMUON_OPTIONS",
     "WEIGHT_DECAY",
     "dion_unavailable",
     "make_optimizer",
+    "shardmuon_options",
 ]
 
 IMPLEMENTATIONS: tuple[str, ...] = (
@@ -49,6 +51,17 @@ DEFAULT_OFF: dict[str, str] = {
     "Newton-Schulz shape on first use (about 20 s each on a small CPU)",
 }
 WEIGHT_DECAY = 0.1
+# A shardmuon impl with this suffix runs with ``offload="state"`` (``--offload``).
+OFFLOAD_SUFFIX = "+offload"
+
+
+def shardmuon_options(impl: str) -> dict[str, Any] | None:
+    """``shardmuon.Muon`` keyword arguments of ``impl``, or ``None`` if it is not shardmuon."""
+    offload = impl.endswith(OFFLOAD_SUFFIX)
+    base = impl[: -len(OFFLOAD_SUFFIX)] if offload else impl
+    if base not in SHARDMUON_OPTIONS:
+        return None
+    return {**SHARDMUON_OPTIONS[base], **({"offload": "state"} if offload else {})}
 
 
 def dion_unavailable() -> str | None:
@@ -98,7 +111,7 @@ def make_optimizer(
         weight_decay=WEIGHT_DECAY,
         matrix_partitions=routed.partitions,
         newton_schulz_coefficients=coefficients,
-        **SHARDMUON_OPTIONS[impl],
+        **shardmuon_options(impl),
     )
 
 

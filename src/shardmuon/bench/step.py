@@ -18,7 +18,13 @@ import torch
 
 from shardmuon.bench.common import add_model_arguments, add_output_arguments
 from shardmuon.bench.launch import launch, torchrun_world_size
-from shardmuon.bench.optimizers import DEFAULT_OFF, IMPLEMENTATIONS, dion_unavailable
+from shardmuon.bench.optimizers import (
+    DEFAULT_OFF,
+    IMPLEMENTATIONS,
+    OFFLOAD_SUFFIX,
+    dion_unavailable,
+    shardmuon_options,
+)
 from shardmuon.bench.report import write_outputs
 from shardmuon.bench.step_summary import draw, print_results, summarize
 from shardmuon.bench.step_worker import ORDERS, StepConfig, worker
@@ -44,6 +50,32 @@ def _not_applicable(world_size: int, layout: str) -> dict[str, str]:
             "dion's Muon takes one 1-D mesh for all params; under --layout ep the expert "
             "stacks live on a 2-D mesh"
         )
+    return out
+
+
+OFFLOAD_MODES = ("none", "state")
+
+
+def parse_offload(text: str) -> list[str]:
+    """``--offload``: ``none``, ``state`` or both (``none,state``)."""
+    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    if not modes or any(m not in OFFLOAD_MODES for m in modes):
+        raise ValueError(
+            f"bad --offload {text!r}; accepted: none, state, or none,state (both, side by side)"
+        )
+    return modes
+
+
+def with_offload(impls: list[str], modes: list[str]) -> list[str]:
+    """Each shardmuon impl in each offload mode (``+offload``); others only without offload."""
+    out = []
+    for impl in impls:
+        if "none" in modes:
+            out.append(impl)
+        if "state" in modes and shardmuon_options(impl) is not None:
+            out.append(impl + OFFLOAD_SUFFIX)
+    if not out:
+        raise ValueError("--offload state: none of the chosen --impl are shardmuon's")
     return out
 
 
@@ -135,6 +167,13 @@ def add_parser(subparsers) -> None:
         help="Newton-Schulz coefficient preset",
     )
     add_hidden_alias(p, "--preset", "coefficients", choices=sorted(NS_PRESETS))
+    p.add_argument(
+        "--offload",
+        default="none",
+        metavar="{none,state,none,state}",
+        help="shardmuon's optimizer-state offload: 'state' runs each shardmuon impl with "
+        "offload='state' (rows 'IMPL+offload'); 'none,state' runs both side by side",
+    )
     p.add_argument("--lr", type=float, default=0.02, help="learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and grads")
     p.add_argument(
@@ -184,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
             )
     plan = plan_layout(args.layout, world, _parse_mesh(args.mesh))
     impls, skipped = parse_impls(args.impl, world, args.layout)
+    impls = with_offload(impls, parse_offload(args.offload))
     cfg = StepConfig(
         model=args.model,
         layers=args.layers,

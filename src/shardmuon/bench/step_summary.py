@@ -81,6 +81,12 @@ def summarize(impl: str, passes: list[list[dict]]) -> dict[str, Any]:
             # With split replicas the all-to-alls shrink but broadcasts appear: not comparable.
             padded_over_minimum=(padded / minimum) if minimum and not replica_sent else None,
             replica_gb_per_rank=max(r["replica_bytes_sent"] for r in ranks) / 1e9,
+            workspace_peak_bytes=max(r["workspace_peak_bytes"] for r in ranks),
+            host_device_gb_per_rank=max(
+                r["offload_bytes_loaded"] + r["offload_bytes_stored"] for r in ranks
+            )
+            / 1e9,
+            offload_workspace_peak_bytes=max(r["offload_workspace_peak_bytes"] for r in ranks),
             bytes_sent=[r["bytes_sent"] for r in ranks],
             bytes_received=[r["bytes_received"] for r in ranks],
             bytes_minimum=[r["bytes_minimum"] for r in ranks],
@@ -170,6 +176,27 @@ def print_results(rows: list[dict], cfg, out: dict, skipped: dict[str, str]) -> 
             ("padded ÷ min", "dion's padded scheme over that least, computed from the layout"),
         ],
     )
+    offloaded = [r for r in rows if r.get("host_device_gb_per_rank")]
+    if offloaded:
+        print_table(
+            "optimizer-state offload (offload='state')",
+            ["impl", "host↔device\nGB/rank", "state on device\nGiB (peak)", "workspace\nGiB"],
+            [
+                [
+                    r["impl"],
+                    fmt(r["host_device_gb_per_rank"], ".4f"),
+                    fmt(r["offload_workspace_peak_bytes"] / gib, ".4f"),
+                    fmt(r["workspace_peak_bytes"] / gib, ".4f"),
+                ]
+                for r in offloaded
+            ],
+            caption="Max over ranks, last step.",
+            legend=[
+                ("host↔device GB/rank", "optimizer state loaded plus stored in a step"),
+                ("state on device GiB", "most state bytes on the device at once (the chunks)"),
+                ("workspace GiB", "the step's estimated transient buffers (workspace_bytes)"),
+            ],
+        )
     note("Every column is explained in docs/benchmarks.md.")
     for impl, reason in skipped.items():
         note(f"skipped {impl}: {reason}")

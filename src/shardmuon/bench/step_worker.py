@@ -17,7 +17,7 @@ from torch import nn
 from shardmuon.bench.common import name_seed
 from shardmuon.bench.launch import RankContext
 from shardmuon.bench.memory import StepMemory, live_bytes, measure_cpu_step
-from shardmuon.bench.optimizers import SHARDMUON_OPTIONS, make_optimizer
+from shardmuon.bench.optimizers import make_optimizer, shardmuon_options
 from shardmuon.bench.report import new_progress, repeat_times, synchronize
 from shardmuon.bench.volume import padded_scheme_bytes
 from shardmuon.layout import local_tensor
@@ -141,7 +141,7 @@ def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, advan
     )
     if hasattr(opt, "warmup"):
         opt.warmup()
-    is_shardmuon = impl in SHARDMUON_OPTIONS
+    is_shardmuon = shardmuon_options(impl) is not None
     times, peaks, transients, stats = [], [], [], None
     for step in range(cfg.steps):
         _set_grads(model, ctx, cfg.seed, step)
@@ -181,6 +181,10 @@ def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, advan
             bytes_minimum=stats.bytes_minimum,
             padded_scheme_bytes=padded_scheme_bytes(opt.chunks()),
             replica_bytes_sent=stats.replica_bytes_sent,
+            workspace_peak_bytes=stats.workspace_peak_bytes,
+            offload_bytes_loaded=stats.offload_bytes_loaded,
+            offload_bytes_stored=stats.offload_bytes_stored,
+            offload_workspace_peak_bytes=stats.offload_workspace_peak_bytes,
             num_batches=stats.num_batches,
             matrices_orthogonalized=stats.matrices_orthogonalized,
             ns_calls=[list(c) for c in stats.ns_calls],
