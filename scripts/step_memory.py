@@ -1,0 +1,92 @@
+"""Step transient memory per rank on the issue #12 workload, measured with the CPU profiler.
+
+The tiny Qwen3-MoE-like model of issue #12 (hidden 512, 4 layers: layer 0 dense, layers 1-3
+with 8 experts as [8, 512, 512] / [8, 512, 256] stacks and an [8, 512] router; embed and
+lm_head [1024, 512] on AdamW), every weight a DTensor ``Shard(0)`` on a 1-D mesh (FSDP2's
+placement), Nesterov, weight decay 0.1, one thread per rank (gloo). One Newton-Schulz
+iteration instead of five: memory does not depend on the count, and bf16 GEMMs without
+AMX would make five take minutes. Prints the transient of the second step, max over ranks.
+
+    python scripts/step_memory.py --nproc 2 [--src PATH/TO/OTHER/CHECKOUT/src]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+
+def shapes() -> dict[str, tuple[int, ...]]:
+    out: dict[str, tuple[int, ...]] = {"embed": (1024, 512), "lm_head": (1024, 512)}
+    for layer in range(4):
+        out |= {f"{layer}.q": (512, 512), f"{layer}.k": (256, 512), f"{layer}.v": (256, 512)}
+        out |= {f"{layer}.o": (512, 512), f"{layer}.ln1": (512,), f"{layer}.ln2": (512,)}
+        if layer == 0:
+            out |= {"0.gate": (1024, 512), "0.up": (1024, 512), "0.down": (512, 1024)}
+        else:
+            out |= {f"{layer}.gate_up": (8, 512, 512), f"{layer}.down": (8, 512, 256)}
+            out |= {f"{layer}.router": (8, 512)}
+    return out
+
+
+def worker(rank: int, world: int, port: int, src: str | None, offload: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if src:
+        sys.path.insert(0, src)
+    from shardmuon import Muon
+    from shardmuon.bench.memory import measure_cpu_step
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    params = {
+        name: torch.nn.Parameter(
+            distribute_tensor(torch.randn(shape, generator=g) * 0.02, mesh, [Shard(0)])
+        )
+        for name, shape in shapes().items()
+    }
+    adamw = {"embed", "lm_head"}
+    muon = [p for n, p in params.items() if p.ndim >= 2 and n not in adamw]
+    other = [p for n, p in params.items() if not (p.ndim >= 2 and n not in adamw)]
+    kwargs = {"offload": "state"} if offload else {}
+    opt = Muon(
+        [dict(params=muon), dict(params=other, algorithm="adamw")],
+        lr=0.01,
+        nesterov=True,
+        weight_decay=0.1,
+        newton_schulz_coefficients=[(3.4445, -4.7750, 2.0315)],
+        **kwargs,
+    )
+    for p in params.values():
+        p.grad = distribute_tensor(torch.randn(p.shape, generator=g), mesh, [Shard(0)])
+    opt.step()
+    transient = torch.tensor([measure_cpu_step(opt.step, 0).transient_bytes])
+    dist.all_reduce(transient, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"world {world}: step transient {transient.item() / 1e6:.2f} MB (max over ranks)")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--src", default=None, help="import shardmuon from this src folder")
+    parser.add_argument("--offload", action="store_true", help="Muon(offload='state')")
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args.nproc, port, args.src, args.offload), nprocs=args.nproc)
+
+
+if __name__ == "__main__":
+    main()
