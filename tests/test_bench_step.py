@@ -156,9 +156,11 @@ def test_tiny_qwen3_moe_has_the_shapes_of_issue_12():
 class _Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.grad_enabled: list[bool] = []
 
     def __call__(self, X, coefficients, eps):
         self.calls.append((tuple(X.shape), X.dtype, coefficients, eps))
+        self.grad_enabled.append(torch.is_grad_enabled())
         return X
 
 
@@ -196,6 +198,7 @@ def test_replay_makes_the_steps_newton_schulz_calls(impl, monkeypatch):
         assert dtype == torch.bfloat16
         assert coefficients == opt.coefficients
         assert eps == pytest.approx(1e-7)
+    assert not any(recorder.grad_enabled)  # as in the step: no autograd
     # Every Muon element once; the partitioned stack as 4-row blocks, never as [8, 6].
     assert sum(b * r * c for b, r, c in calls) == 3 * 8 * 6 + 12 * 5 + 2 * 5 * 12
     assert not any(8 in (r, c) for _, r, c in calls)

@@ -106,7 +106,7 @@ def replay_newton_schulz(
     the ``(batch, rows, cols)`` of every call in order. Each is made again, in that order,
     with the implementation the step used (``NS_IMPLEMENTATIONS[opt.newton_schulz_impl]``),
     the optimizer's coefficients and eps, on random bf16 inputs of those shapes (one input
-    per call, made beforehand). Every replay starts after a barrier, so all ranks run
+    per call, made beforehand), without autograd. Every replay starts after a barrier, so all ranks run
     theirs at the same time, as in the step; a rank with no calls still joins the barriers.
     """
     from shardmuon.optimizer import NS_IMPLEMENTATIONS
@@ -119,8 +119,11 @@ def replay_newton_schulz(
     ]
 
     def replay() -> None:
-        for X in inputs:
-            implementation(X, opt.coefficients, eps)
+        # Without autograd, as in the step (for the compiled implementation, grad mode is
+        # part of what a compiled graph is reused for).
+        with torch.no_grad():
+            for X in inputs:
+                implementation(X, opt.coefficients, eps)
 
     # No warm-up call: the step already ran these shapes (compiled ones included).
     return repeat_times(replay, ctx.device, repeats, warmup=0, before=ctx.barrier)
