@@ -212,6 +212,8 @@ def _rank(steps, ns_times, calls=((2, 4, 4),), **traffic):
     figures.update(
         bytes_sent=8, bytes_received=8, bytes_minimum=8, padded_scheme_bytes=8,
         replica_bytes_sent=0, num_batches=1, matrices_orthogonalized=2,
+        workspace_peak_bytes=6, offload_bytes_loaded=0, offload_bytes_stored=0,
+        offload_workspace_peak_bytes=0,
         ns_calls=[list(c) for c in calls], ns_times_s=ns_times,
     )  # fmt: skip
     figures.update(traffic)

@@ -106,8 +106,9 @@ def replay_newton_schulz(
     the ``(batch, rows, cols)`` of every call in order. Each is made again, in that order,
     with the implementation the step used (``NS_IMPLEMENTATIONS[opt.newton_schulz_impl]``),
     the optimizer's coefficients and eps, on random bf16 inputs of those shapes (one input
-    per call, made beforehand), without autograd. Every replay starts after a barrier, so all ranks run
-    theirs at the same time, as in the step; a rank with no calls still joins the barriers.
+    per call, made beforehand), without autograd. Every replay starts after a barrier, so
+    all ranks run theirs at the same time, as in the step; a rank with no calls still joins
+    the barriers.
     """
     from shardmuon.optimizer import NS_IMPLEMENTATIONS
 
