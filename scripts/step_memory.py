@@ -8,6 +8,11 @@ iteration instead of five: memory does not depend on the count, and bf16 GEMMs w
 AMX would make five take minutes. Prints the transient of the second step, max over ranks.
 
     python scripts/step_memory.py --nproc 2 [--src PATH/TO/OTHER/CHECKOUT/src]
+
+``--overhead`` times instead what the step costs beyond Newton-Schulz: Newton-Schulz is
+replaced by a bf16 cast (the same data movement in and out, no GEMMs) and the median of 20
+steps is printed (max over ranks), so that two checkouts' momentum, packing, exchange and
+update code can be compared on a machine where bf16 GEMMs would drown the difference.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,13 +44,19 @@ def shapes() -> dict[str, tuple[int, ...]]:
     return out
 
 
-def worker(rank: int, world: int, port: int, src: str | None, offload: bool) -> None:
+def worker(rank: int, world: int, port: int, src: str | None, offload: bool, overhead: bool):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if src:
         sys.path.insert(0, src)
+    import shardmuon.optimizer
     from shardmuon import Muon
     from shardmuon.bench.memory import measure_cpu_step
+
+    if overhead:
+        shardmuon.optimizer.NS_IMPLEMENTATIONS["folded"] = lambda G, coefficients=None, eps=1e-8: (
+            G.to(torch.bfloat16)
+        )
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
@@ -69,6 +82,19 @@ def worker(rank: int, world: int, port: int, src: str | None, offload: bool) -> 
     for p in params.values():
         p.grad = distribute_tensor(torch.randn(p.shape, generator=g), mesh, [Shard(0)])
     opt.step()
+    if overhead:
+        times = []
+        for _ in range(23):
+            dist.barrier()
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        median = torch.tensor([statistics.median(times[3:])])
+        dist.all_reduce(median, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            print(f"world {world}: step without Newton-Schulz {median.item() * 1e3:.1f} ms")
+        dist.destroy_process_group()
+        return
     transient = torch.tensor([measure_cpu_step(opt.step, 0).transient_bytes])
     dist.all_reduce(transient, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -81,11 +107,14 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--src", default=None, help="import shardmuon from this src folder")
     parser.add_argument("--offload", action="store_true", help="Muon(offload='state')")
+    parser.add_argument("--overhead", action="store_true", help="time the step without NS")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.nproc, port, args.src, args.offload), nprocs=args.nproc)
+    mp.spawn(
+        worker, args=(args.nproc, port, args.src, args.offload, args.overhead), nprocs=args.nproc
+    )
 
 
 if __name__ == "__main__":
