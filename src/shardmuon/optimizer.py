@@ -357,10 +357,7 @@ class Muon(Optimizer):
         else:
             local = local.to(device)
         if isinstance(param, DTensor):
-            return DTensor.from_local(
-                local, param.device_mesh, param.placements, shape=param.shape,
-                stride=param.stride(), run_check=False,
-            )  # fmt: skip
+            return _dtensor_like(local, param)
         return local
 
     def chunks(self) -> list[Chunk]:
@@ -780,6 +777,25 @@ def _distribute_like(value: Tensor, param: DTensor) -> DTensor:
         param.placements,
         src_data_rank=None,
     )
+
+
+def _dtensor_like(local: Tensor, param: DTensor) -> DTensor:
+    """A DTensor laid out like ``param`` around ``local``, wherever ``local`` lives.
+
+    ``DTensor.from_local`` moves a host tensor to the mesh's device; offloaded state must stay
+    in host memory (as FSDP2's CPU offload keeps its parameters), so the DTensor is built
+    from its spec directly when the devices differ.
+    """
+    if local.device.type == param.device_mesh.device_type:
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, shape=param.shape,
+            stride=param.stride(), run_check=False,
+        )  # fmt: skip
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(param.shape, param.stride(), local.dtype)
+    spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)
 
 
 def _communicates(chunk: Chunk) -> bool:
