@@ -7,12 +7,16 @@ placement), Nesterov, weight decay 0.1, one thread per rank (gloo). One Newton-S
 iteration instead of five: memory does not depend on the count, and bf16 GEMMs without
 AMX would make five take minutes. Prints the transient of the second step, max over ranks.
 
-    python scripts/step_memory.py --nproc 2 [--src PATH/TO/OTHER/CHECKOUT/src]
+    python scripts/step_memory.py --nproc 2 [--src PATH/TO/OTHER/CHECKOUT/src] [--dion]
 
 ``--overhead`` times instead what the step costs beyond Newton-Schulz: Newton-Schulz is
 replaced by a bf16 cast (the same data movement in and out, no GEMMs) and the median of 20
 steps is printed (max over ranks), so that two checkouts' momentum, packing, exchange and
 update code can be compared on a machine where bf16 GEMMs would drown the difference.
+
+``--dion`` measures dion's Muon instead (the ``dion`` package must be importable; it is not a
+dependency): ``distributed_mesh`` = the 1-D mesh, ``adjust_lr="rms_norm"``, and its
+Newton-Schulz function replaced the same way (one quintic iteration, or a bf16 cast).
 """
 
 from __future__ import annotations
@@ -44,7 +48,33 @@ def shapes() -> dict[str, tuple[int, ...]]:
     return out
 
 
-def worker(rank: int, world: int, port: int, src: str | None, offload: bool, overhead: bool):
+def one_iteration(G: torch.Tensor, epsilon: float = 1e-7) -> torch.Tensor:
+    """One unfolded bf16 quintic iteration (dion's recipe, first step only), for memory runs."""
+    X = G.to(torch.bfloat16)
+    tall = G.size(-2) > G.size(-1)
+    X = X.mT if tall else X
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + epsilon)
+    a, b, c = 3.4445, -4.7750, 2.0315
+    A = X @ X.mT
+    X = a * X + (b * A + c * (A @ A)) @ X
+    return X.mT if tall else X
+
+
+def _dion_optimizer(groups: list[dict], mesh, overhead: bool):
+    import dion.muon
+    from dion import Muon as DionMuon
+
+    dion.muon.zeropower_via_newtonschulz5 = (
+        (lambda G, epsilon=1e-7: G.to(torch.bfloat16)) if overhead else one_iteration
+    )
+    return DionMuon(
+        groups, distributed_mesh=mesh, lr=0.01, nesterov=True, weight_decay=0.1,
+        adjust_lr="rms_norm",
+    )  # fmt: skip
+
+
+def worker(rank: int, world: int, port: int, src: str | None, options: tuple[bool, bool, bool]):
+    offload, overhead, use_dion = options
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if src:
@@ -71,14 +101,18 @@ def worker(rank: int, world: int, port: int, src: str | None, offload: bool, ove
     muon = [p for n, p in params.items() if p.ndim >= 2 and n not in adamw]
     other = [p for n, p in params.items() if not (p.ndim >= 2 and n not in adamw)]
     kwargs = {"offload": "state"} if offload else {}
-    opt = Muon(
-        [dict(params=muon), dict(params=other, algorithm="adamw")],
-        lr=0.01,
-        nesterov=True,
-        weight_decay=0.1,
-        newton_schulz_coefficients=[(3.4445, -4.7750, 2.0315)],
-        **kwargs,
-    )
+    groups = [dict(params=muon), dict(params=other, algorithm="adamw")]
+    if use_dion:
+        opt = _dion_optimizer(groups, mesh, overhead)
+    else:
+        opt = Muon(
+            groups,
+            lr=0.01,
+            nesterov=True,
+            weight_decay=0.1,
+            newton_schulz_coefficients=[(3.4445, -4.7750, 2.0315)],
+            **kwargs,
+        )
     for p in params.values():
         p.grad = distribute_tensor(torch.randn(p.shape, generator=g), mesh, [Shard(0)])
     opt.step()
@@ -92,13 +126,17 @@ def worker(rank: int, world: int, port: int, src: str | None, offload: bool, ove
         median = torch.tensor([statistics.median(times[3:])])
         dist.all_reduce(median, op=dist.ReduceOp.MAX)
         if rank == 0:
-            print(f"world {world}: step without Newton-Schulz {median.item() * 1e3:.1f} ms")
+            label = "dion" if use_dion else "shardmuon"
+            print(f"{label} world {world}: step without Newton-Schulz {median.item() * 1e3:.1f} ms")
         dist.destroy_process_group()
         return
     transient = torch.tensor([measure_cpu_step(opt.step, 0).transient_bytes])
     dist.all_reduce(transient, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"world {world}: step transient {transient.item() / 1e6:.2f} MB (max over ranks)")
+        label = "dion" if use_dion else "shardmuon"
+        print(
+            f"{label} world {world}: step transient {transient.item() / 1e6:.2f} MB (max over ranks)"
+        )
     dist.destroy_process_group()
 
 
@@ -108,13 +146,13 @@ def main() -> None:
     parser.add_argument("--src", default=None, help="import shardmuon from this src folder")
     parser.add_argument("--offload", action="store_true", help="Muon(offload='state')")
     parser.add_argument("--overhead", action="store_true", help="time the step without NS")
+    parser.add_argument("--dion", action="store_true", help="dion's Muon (if installed)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(
-        worker, args=(args.nproc, port, args.src, args.offload, args.overhead), nprocs=args.nproc
-    )
+    options = (args.offload, args.overhead, args.dion)
+    mp.spawn(worker, args=(args.nproc, port, args.src, options), nprocs=args.nproc)
 
 
 if __name__ == "__main__":
