@@ -25,13 +25,14 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 from shardmuon.workers import exit_worker
 
-__all__ = ["CaseResult", "WorkerContext", "World", "free_ports", "launch_world"]
+__all__ = ["CaseResult", "WorkerContext", "World", "free_ports", "launch_world", "worlds_running"]
 
 # Lines of a rank's log shown when the world failed without a per-case result.
 LOG_TAIL_LINES = 25
@@ -246,3 +247,33 @@ def launch_world(
         process.start()
         world.processes.append(process)
     return world
+
+
+@contextlib.contextmanager
+def worlds_running(
+    cases_spec: str,
+    cases_for: Callable[[int], list[str]],
+    world_sizes: tuple[int, ...],
+    make_dir: Callable[[str], Path],
+    *,
+    timeout_s: float = 300.0,
+    collective_timeout_s: float = 60.0,
+):
+    """Launch one world per size (each running ``cases_for(size)``); yield them by size; kill
+    them on exit. ``make_dir(name)`` gives each world its output folder (``mktemp``)."""
+    launched: dict[int, World] = {}
+    try:
+        for size, port in zip(world_sizes, free_ports(len(world_sizes))):
+            launched[size] = launch_world(
+                size,
+                cases_spec,
+                cases_for(size),
+                make_dir(f"{cases_spec.split(':')[0]}{size}"),
+                port=port,
+                timeout_s=timeout_s,
+                collective_timeout_s=collective_timeout_s,
+            )
+        yield launched
+    finally:
+        for world in launched.values():
+            world.kill()

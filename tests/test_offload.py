@@ -9,7 +9,7 @@ from __future__ import annotations
 import dist_offload_cases
 import pytest
 import torch
-from dist_harness import free_ports, launch_world
+from dist_harness import worlds_running
 
 import shardmuon.pipeline as pipeline_module
 from shardmuon import ChunkInfo, Muon
@@ -199,20 +199,10 @@ def test_bad_offload_settings_are_refused(kwargs, match) -> None:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    (port,) = free_ports(1)
-    launched = launch_world(
-        2,
-        "dist_offload_cases:CASES",
-        list(dist_offload_cases.CASES),
-        tmp_path_factory.mktemp("offload2"),
-        port=port,
-        timeout_s=300.0,
-        collective_timeout_s=60.0,
-    )
-    try:
-        yield launched
-    finally:
-        launched.kill()
+    names = list(dist_offload_cases.CASES)
+    spec = "dist_offload_cases:CASES"
+    with worlds_running(spec, lambda _: names, (2,), tmp_path_factory.mktemp) as worlds:
+        yield worlds[2]
 
 
 @pytest.mark.slow

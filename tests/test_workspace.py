@@ -13,7 +13,7 @@ import importlib
 import dist_workspace_cases
 import pytest
 import torch
-from dist_harness import free_ports, launch_world
+from dist_harness import worlds_running
 
 from shardmuon import Muon
 from shardmuon.bench.memory import measure_cpu_step
@@ -262,22 +262,10 @@ WORLD_SIZES = (2,)
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
-    launched = {}
-    try:
-        for world, port in zip(WORLD_SIZES, free_ports(len(WORLD_SIZES))):
-            launched[world] = launch_world(
-                world,
-                "dist_workspace_cases:CASES",
-                list(dist_workspace_cases.CASES),
-                tmp_path_factory.mktemp(f"workspace{world}"),
-                port=port,
-                timeout_s=300.0,
-                collective_timeout_s=60.0,
-            )
-        yield launched
-    finally:
-        for world in launched.values():
-            world.kill()
+    names = list(dist_workspace_cases.CASES)
+    spec = "dist_workspace_cases:CASES"
+    with worlds_running(spec, lambda _: names, WORLD_SIZES, tmp_path_factory.mktemp) as w:
+        yield w
 
 
 @pytest.mark.slow
