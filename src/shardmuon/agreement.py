@@ -98,7 +98,7 @@ def describe(
                 "shard" if as_shard else "replica",
                 layout.rows,
                 layout.cols,
-                layout.shard_axis,
+                layout.pieces,
                 batch.num_matrices,
                 batch.owners,
                 batch.partitions,

@@ -5,10 +5,11 @@ owner of matrix ``i``, all in one ``all_to_all_single`` whose split sizes are th
 piece sizes (bf16). A rank that owns no matrix of the batch receives nothing; a piece of
 an empty shard has size 0. Nothing is padded and no dummy matrix exists.
 
-Phase 2 (the owner): concatenates the pieces in rank order into the whole matrix and
+Phase 2 (the owner): puts each piece's blocks in their place in the whole matrix (each
+piece is a set of global row and column ranges, :class:`~shardmuon.layout.Piece`) and
 orthogonalizes it (done by the caller, between the phases).
 
-Phase 3 (return): the owner cuts the result along the same boundaries and a second
+Phase 3 (return): the owner cuts the result into the same pieces and a second
 ``all_to_all_single`` with the transposed split sizes sends each rank its piece back.
 
 Each rank owns at most one matrix of a batch (a batch has at most ``k`` matrices) and the
@@ -108,8 +109,9 @@ class BatchExchange:
     def assemble(self) -> Tensor | None:
         """Wait for the gather; return the owned whole matrix ``[rows, cols]`` (bf16) or None.
 
-        With the rows sharded the pieces arrive in rank order, which is the matrix itself:
-        the receive buffer is returned as a view. Column pieces are concatenated.
+        With whole rows sharded in rank order the pieces arrive as the matrix itself: the
+        receive buffer is returned as a view. Otherwise each piece's blocks are copied to
+        their place in a new matrix (column shards, two-dimensional and strided pieces).
         """
         self._work.wait()
         self._work = None
@@ -118,21 +120,28 @@ class BatchExchange:
             return None
         layout = self.layout
         recv, self._recv = self._recv, None
-        if layout.shard_axis == 0:
+        if layout.rows_in_rank_order:
             return recv.view(layout.rows, layout.cols)
-        chunks = recv.split(self._piece_splits())
-        pieces = [c.view(layout.piece_shape(j)) for j, c in enumerate(chunks)]
-        return torch.cat(pieces, dim=1)
+        matrix = recv.new_empty(layout.rows, layout.cols)
+        for piece, flat in zip(layout.pieces, recv.split(self._piece_splits())):
+            local = flat.view(piece.shape)
+            for (r0, r1), (c0, c1), (lr0, lr1), (lc0, lc1) in piece.blocks():
+                matrix[r0:r1, c0:c1] = local[lr0:lr1, lc0:lc1]
+        return matrix
 
     def start_return(self, result: Tensor | None) -> None:
         """Send each rank its piece of the owned result (async); ``result`` None if not owner."""
+        layout = self.layout
         if result is None:
             send = torch.empty(0, dtype=torch.bfloat16, device=self._device)
-        elif self.layout.shard_axis == 0:
+        elif layout.rows_in_rank_order:
             send = result.reshape(-1)  # row pieces in rank order: the matrix itself
         else:
-            cuts = result.split(list(self.layout.piece_sizes), dim=1)
-            send = torch.cat([c.reshape(-1) for c in cuts])
+            send = result.new_empty(layout.rows * layout.cols)
+            for piece, flat in zip(layout.pieces, send.split(self._piece_splits())):
+                local = flat.view(piece.shape)
+                for (r0, r1), (c0, c1), (lr0, lr1), (lc0, lc1) in piece.blocks():
+                    local[lr0:lr1, lc0:lc1] = result[r0:r1, c0:c1]
         self._launch(send, self._piece_splits(), self._own_piece_splits())
 
     def finish_return(self) -> Tensor:

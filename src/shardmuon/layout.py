@@ -6,50 +6,59 @@ Computed once, at construction, from each parameter alone (no mesh is passed in)
   sharded only on batch dims such as the expert dim of a ``[E, out, in]`` stack under
   expert parallelism), is **local**: its matrices are orthogonalized where they are, with
   no communication.
-* A DTensor sharded on exactly one matrix dim (the last two; FSDP2's ``Shard(0)`` on a
-  2-D weight, ``Shard(1)``, or dim -2/-1 of a stack) over a mesh dim of size ``k`` is
-  **exchanged** over that mesh dim's process group. Other mesh dims (HSDP's
-  ``Replicate``, an expert ``Shard(0)``) only select which group a rank belongs to.
-* Two matrix-dim shards (FSDP + TP on one weight) are not supported yet.
+* A DTensor sharded on its matrix dims (the last two) over one or more mesh dims is
+  **exchanged** over the process group of those mesh dims, flattened (FSDP2's ``Shard(0)``
+  over one dim; FSDP2 over tensor parallel, ``(_StridedShard(0, sf), Shard(0))`` or
+  ``(Shard(0), Shard(1))``, over two). Other mesh dims (HSDP's ``Replicate``, an expert
+  ``Shard(0)``) only select which group a rank belongs to.
 
-Exchanged matrices with the same layout (global matrix shape, shard axis, group, dtype,
+Every rank of a group computes every other rank's **piece** of a matrix from the placements
+alone (:func:`shard_ranges`, DTensor's left-to-right semantics, ``_StridedShard``
+included): the global rows and columns it holds, as ranges in its local order. Pieces are
+exact (uneven and empty ones included), so nothing is padded.
+
+Exchanged matrices with the same layout (global matrix shape, pieces, group, dtype,
 partitions, eps) are cut into batches of ``k`` matrices. Within a batch each matrix has
-one owner rank that receives all its shards; owners continue round-robin from one batch
+one owner rank that receives all its pieces; owners continue round-robin from one batch
 to the next, so the short last batch of a layout does not always land on rank 0, and
 where matrices of different sizes leave ranks unevenly loaded, a short batch goes to the
 least-loaded ranks (by Newton–Schulz FLOPs).
-Shard sizes follow DTensor's chunking (``ceil(n / k)`` rows per rank, the last ranks
-shorter or empty), so uneven and empty shards need no padding: each piece travels with
-its exact size.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Partial
+from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
 
 __all__ = [
     "MatrixLayout",
     "MuonBatch",
+    "Piece",
     "Segment",
     "ShardGroup",
     "chunk_sizes",
     "local_tensor",
     "matrix_layout",
     "plan_batches",
+    "shard_ranges",
 ]
+
+
+Range = tuple[int, int]
 
 
 @dataclass(frozen=True)
 class ShardGroup:
-    """The process group along one mesh dim, identified by its global ranks (not by identity)."""
+    """The process group a matrix is exchanged (or replicated) over, identified by its global
+    ranks (not by identity); several mesh dims flattened, in row-major order, when the
+    matrix is sharded over several."""
 
     ranks: tuple[int, ...]
     rank_index: int
@@ -61,15 +70,56 @@ class ShardGroup:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """What one rank holds of a ``[rows, cols]`` matrix: the global rows and columns, as
+    ``(start, stop)`` ranges in its local order (a strided shard holds several)."""
+
+    rows: tuple[Range, ...]
+    cols: tuple[Range, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return _extent(self.rows), _extent(self.cols)
+
+    @property
+    def numel(self) -> int:
+        rows, cols = self.shape
+        return rows * cols
+
+    def blocks(self) -> list[tuple[Range, Range, Range, Range]]:
+        """``(global_rows, global_cols, local_rows, local_cols)`` of each contiguous block."""
+        out = []
+        local_row = 0
+        for r0, r1 in self.rows:
+            local_col = 0
+            for c0, c1 in self.cols:
+                out.append(
+                    (
+                        (r0, r1),
+                        (c0, c1),
+                        (local_row, local_row + r1 - r0),
+                        (local_col, local_col + c1 - c0),
+                    )
+                )
+                local_col += c1 - c0
+            local_row += r1 - r0
+        return out
+
+
+def _extent(ranges: tuple[Range, ...]) -> int:
+    return sum(stop - start for start, stop in ranges)
+
+
+@dataclass(frozen=True)
 class MatrixLayout:
     """How one parameter's matrices lie on this rank.
 
     ``rows``/``cols``: the global matrix dims (after ``flatten``); ``local_rows``/``local_cols``
     and ``num_matrices``: this rank's shard, seen as ``[num_matrices, local_rows, local_cols]``.
-    ``shard_axis`` is 0 (rows) or 1 (cols) for exchanged params and ``None`` for local ones;
-    ``piece_sizes[j]`` is the extent of rank ``j``'s piece along that axis. ``replicas`` is
-    the group along the one ``Replicate`` mesh dim of size > 1 (HSDP's replicate dim), if any:
-    ranks that hold identical shards.
+    For exchanged params ``group`` is the group of ranks holding pieces of the same matrices
+    and ``pieces[j]`` is rank index ``j``'s piece (the same on every rank of the group);
+    local params have neither. ``replicas`` is the group along the one ``Replicate`` mesh
+    dim of size > 1 (HSDP's replicate dim), if any: ranks that hold identical shards.
     """
 
     rows: int
@@ -78,9 +128,8 @@ class MatrixLayout:
     local_rows: int
     local_cols: int
     flatten: bool
-    shard_axis: int | None = None
     group: ShardGroup | None = None
-    piece_sizes: tuple[int, ...] = ()
+    pieces: tuple[Piece, ...] = ()
     replicas: ShardGroup | None = None
 
     @property
@@ -88,21 +137,34 @@ class MatrixLayout:
         return self.group is not None
 
     @property
-    def local_row_start(self) -> int:
-        """The global index of this rank's first row (0 unless rows are sharded)."""
-        if self.shard_axis != 0:
-            return 0
-        return sum(self.piece_sizes[: self.group.rank_index])
+    def local_piece(self) -> Piece:
+        """This rank's piece of each of its matrices (the whole matrix when local)."""
+        if self.group is None:
+            return Piece(((0, self.rows),), ((0, self.cols),))
+        return self.pieces[self.group.rank_index]
+
+    @property
+    def rows_in_rank_order(self) -> bool:
+        """Whether the pieces, laid end to end in rank order, are the matrix itself: each
+        holds whole rows of one range, ascending (FSDP's ``Shard(0)``). The owner's receive
+        buffer is then the matrix, and its result the return's send buffer."""
+        start = 0
+        for piece in self.pieces:
+            if piece.numel == 0:
+                continue
+            if len(piece.rows) != 1 or piece.cols != ((0, self.cols),):
+                return False
+            if piece.rows[0][0] != start:
+                return False
+            start = piece.rows[0][1]
+        return start == self.rows
 
     def piece_numel(self, rank_index: int) -> int:
         """Elements of rank ``rank_index``'s piece of one matrix."""
-        other = self.cols if self.shard_axis == 0 else self.rows
-        return self.piece_sizes[rank_index] * other
+        return self.pieces[rank_index].numel
 
     def piece_shape(self, rank_index: int) -> tuple[int, int]:
-        if self.shard_axis == 0:
-            return (self.piece_sizes[rank_index], self.cols)
-        return (self.rows, self.piece_sizes[rank_index])
+        return self.pieces[rank_index].shape
 
 
 @dataclass(frozen=True)
@@ -152,6 +214,48 @@ def chunk_sizes(n: int, k: int) -> tuple[int, ...]:
     return tuple(max(0, min(step, n - j * step)) for j in range(k))
 
 
+def shard_ranges(extent: int, splits: Sequence[tuple[int, int, int]]) -> tuple[Range, ...]:
+    """The global index ranges, in local order, that one rank holds of a dim of size ``extent``.
+
+    ``splits``: the shards of this dim in mesh-dim order, each ``(num_chunks, coordinate,
+    split_factor)``: ``Shard`` (``split_factor == 1``) keeps chunk ``coordinate`` of
+    ``torch.chunk`` (ceil-sized chunks, the last ones shorter or empty);
+    ``_StridedShard(split_factor=sf)`` chunks into ``sf`` parts, each part into
+    ``num_chunks``, and keeps chunk ``coordinate`` of every part, in part order (DTensor's
+    left-to-right reading of FSDP2-over-TP's right-to-left sharding). Adjacent ranges merge.
+    """
+    ranges: tuple[Range, ...] = ((0, extent),) if extent else ()
+    for num_chunks, coordinate, split_factor in splits:
+        if split_factor == 1:
+            ranges = _chunk(ranges, num_chunks, coordinate)
+        else:
+            parts = [_chunk(ranges, split_factor, j) for j in range(split_factor)]
+            ranges = tuple(r for part in parts for r in _chunk(part, num_chunks, coordinate))
+    merged: list[Range] = []
+    for start, stop in ranges:
+        if merged and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], stop)
+        else:
+            merged.append((start, stop))
+    return tuple(merged)
+
+
+def _chunk(ranges: tuple[Range, ...], num_chunks: int, index: int) -> tuple[Range, ...]:
+    """Chunk ``index`` of ``num_chunks`` (``torch.chunk``) of the positions ``ranges`` list."""
+    length = _extent(ranges)
+    size = -(-length // num_chunks)
+    first, last = index * size, min((index + 1) * size, length)
+    out = []
+    position = 0
+    for start, stop in ranges:
+        lo = max(first, position)
+        hi = min(last, position + stop - start)
+        if hi > lo:
+            out.append((start + lo - position, start + hi - position))
+        position += stop - start
+    return tuple(out)
+
+
 def _describe(name: str, param: DTensor) -> str:
     return f"{name} (global shape {tuple(param.shape)}, placements {tuple(param.placements)})"
 
@@ -173,11 +277,25 @@ def _local_view_shape(shape: torch.Size, flatten: bool) -> tuple[int, int, int]:
     return math.prod(shape[:-2]), shape[-2], shape[-1]
 
 
+def _split_factor(name: str, param: DTensor, placement: Placement) -> int:
+    """1 for ``Shard``, ``sf`` for ``_StridedShard``; other shard kinds are refused."""
+    if type(placement) is Shard:
+        return 1
+    if isinstance(placement, _StridedShard):
+        return int(placement.split_factor)
+    raise NotImplementedError(
+        f"parameter {_describe(name, param)}: {placement} on a matrix dim is not supported; "
+        "accepted on matrix dims: Shard and _StridedShard"
+    )
+
+
 def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
     """Read one Muon parameter's layout from its placements (plain tensors are local).
 
-    Raises ``NotImplementedError`` for two matrix-dim shards or a strided shard on a matrix
-    dim, and ``ValueError`` for ``Partial`` placements on a parameter.
+    Raises ``NotImplementedError`` for shard kinds other than ``Shard``/``_StridedShard`` on
+    a matrix dim (or, with ``flatten``, a shard on a dim other than 0), ``ValueError`` for
+    ``Partial`` placements, and ``RuntimeError`` when the local tensor is not the piece the
+    placements describe.
     """
     if isinstance(param, DTensor) and param.device_mesh.get_coordinate() is None:
         mesh = param.device_mesh
@@ -201,7 +319,9 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
         return MatrixLayout(**base)
     mesh = param.device_mesh
     matrix_dims = _matrix_dims(param.ndim, flatten)
-    matrix_shards = []
+    row_dim = 0 if flatten else param.ndim - 2
+    # (mesh dim, matrix axis, split factor) of every shard of a matrix dim, in mesh order.
+    shards: list[tuple[int, int, int]] = []
     replicate_dims = []
     for mesh_dim, placement in enumerate(param.placements):
         if isinstance(placement, Partial):
@@ -219,36 +339,44 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
             continue
         if flatten and dim != 0:
             raise NotImplementedError(
-                f"parameter {_describe(name, param)}: with flatten=True only a shard on dim 0 "
-                "(the rows of the flattened matrix) is supported"
+                f"parameter {_describe(name, param)}: with flatten=True only shards of dim 0 "
+                "(the rows of the flattened matrix) are supported"
             )
-        if type(placement) is not Shard:
-            raise NotImplementedError(
-                f"parameter {_describe(name, param)}: {placement} on a matrix dim is not "
-                "supported; only plain Shard placements can be exchanged"
-            )
-        matrix_shards.append((mesh_dim, dim))
+        axis = 0 if dim == row_dim else 1
+        shards.append((mesh_dim, axis, _split_factor(name, param, placement)))
     if len(replicate_dims) == 1:
         base["replicas"] = _mesh_group(mesh, replicate_dims[0])
-    if not matrix_shards:
+    if not shards:
         return MatrixLayout(**base)
-    if len(matrix_shards) > 1:
-        raise NotImplementedError(
-            f"parameter {_describe(name, param)} is sharded on two matrix dims; shardmuon "
-            "exchanges one matrix-dim shard per parameter (FSDP + TP on one weight is not "
-            "supported yet)"
-        )
-    mesh_dim, dim = matrix_shards[0]
-    shard_axis = 0 if dim == (0 if flatten else param.ndim - 2) else 1
-    group = _mesh_group(mesh, mesh_dim)
-    pieces = chunk_sizes(rows if shard_axis == 0 else cols, group.size)
-    own = local_rows if shard_axis == 0 else local_cols
-    if own != pieces[group.rank_index]:
+    mesh_dims = tuple(dict.fromkeys(m for m, _, _ in shards))
+    group = _shard_group(mesh, mesh_dims)
+    sizes = [mesh.size(m) for m in mesh_dims]
+    pieces = []
+    for index in range(group.size):
+        coordinate = dict(zip(mesh_dims, _unravel(index, sizes)))
+        splits = [
+            [(mesh.size(m), coordinate[m], sf) for m, a, sf in shards if a == axis]
+            for axis in (0, 1)
+        ]
+        pieces.append(Piece(shard_ranges(rows, splits[0]), shard_ranges(cols, splits[1])))
+    own = pieces[group.rank_index].shape
+    if own != (local_rows, local_cols):
         raise RuntimeError(
-            f"parameter {_describe(name, param)}: local extent {own} on the sharded dim differs "
-            f"from DTensor's chunking {list(pieces)} at index {group.rank_index}"
+            f"parameter {_describe(name, param)}: local matrix shape {(local_rows, local_cols)} "
+            f"on rank {dist.get_rank()} differs from the piece {own} its placements give "
+            f"(rows {list(pieces[group.rank_index].rows)}, cols "
+            f"{list(pieces[group.rank_index].cols)})"
         )
-    return MatrixLayout(**base, shard_axis=shard_axis, group=group, piece_sizes=pieces)
+    return MatrixLayout(**base, group=group, pieces=tuple(pieces))
+
+
+def _unravel(index: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    """Row-major coordinates of ``index`` in a grid of ``sizes``."""
+    coordinate = []
+    for size in reversed(sizes):
+        index, c = divmod(index, size)
+        coordinate.append(c)
+    return tuple(reversed(coordinate))
 
 
 def _mesh_group(mesh, mesh_dim: int) -> ShardGroup:
@@ -259,6 +387,45 @@ def _mesh_group(mesh, mesh_dim: int) -> ShardGroup:
         rank_index=mesh.get_local_rank(mesh_dim),
         process_group=process_group,
     )
+
+
+# Groups this module created over flattened mesh dims, by their global ranks.
+_FLATTENED_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _shard_group(mesh, mesh_dims: tuple[int, ...]) -> ShardGroup:
+    """The group over ``mesh_dims`` (flattened row-major; the other dims at this rank's
+    coordinate) that holds this rank.
+
+    One mesh dim: its own group. Several: a flattened mesh of the same ranks the user made
+    (``mesh[...]._flatten()``) if there is one, else a group of exactly these ranks, made
+    once, by these ranks only (``use_local_synchronization``: ranks that hold no such
+    matrix, such as other pipeline stages, need not take part).
+    """
+    if len(mesh_dims) == 1:
+        return _mesh_group(mesh, mesh_dims[0])
+    coordinate = mesh.get_coordinate()
+    index = tuple(slice(None) if d in mesh_dims else c for d, c in enumerate(coordinate))
+    ranks = tuple(mesh.mesh[index].flatten().tolist())
+    process_group = _existing_flattened_group(mesh, ranks)
+    if process_group is None:
+        process_group = _FLATTENED_GROUPS.get(ranks)
+    if process_group is None:
+        process_group = dist.new_group(list(ranks), use_local_synchronization=True)
+        _FLATTENED_GROUPS[ranks] = process_group
+    return ShardGroup(ranks, ranks.index(dist.get_rank()), process_group)
+
+
+def _existing_flattened_group(mesh, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """The group of a flattened 1-D mesh over exactly ``ranks``, in order, if one was made."""
+    try:
+        flattened = mesh._get_root_mesh()._flatten_mapping.values()
+    except AttributeError:  # a DeviceMesh without flattening support
+        return None
+    for flat in flattened:
+        if tuple(flat.mesh.flatten().tolist()) == ranks:
+            return flat.get_group(0)
+    return None
 
 
 @dataclass(frozen=True)
@@ -281,7 +448,7 @@ def batch_key(
     return (
         group_ranks,
         replica_ranks,
-        layout.shard_axis,
+        layout.pieces,
         layout.rows,
         layout.cols,
         dtype,

@@ -129,26 +129,29 @@ def row_scales(
     partitions: tuple[int, ...] | None,
     rows: int,
     cols: int,
-    local_row_start: int,
-    local_rows: int,
+    local_row_ranges: Sequence[tuple[int, int]],
     adjust_lr: str | None,
     update_rms: float,
 ) -> list[tuple[int, int, float]]:
     """The lr scale of each local row range: ``[(start, end, scale), ...]`` in local row indices.
 
-    ``rows``/``cols`` are the global matrix dims; the local shard holds rows
-    ``[local_row_start, local_row_start + local_rows)`` (all rows when not row-sharded).
-    Each partition block is scaled by its own shape ``(block_rows, cols)``.
+    ``rows``/``cols`` are the global matrix dims; the local shard holds the global rows
+    ``local_row_ranges`` (``(start, stop)`` pairs, in local order: one range when sharded
+    once, several under a strided shard, ``[(0, rows)]`` when not row-sharded). Each
+    partition block is scaled by its own shape ``(block_rows, cols)``.
     """
     blocks = partitions or (rows,)
     ranges = []
-    block_start = 0
-    local_end = local_row_start + local_rows
-    for size in blocks:
-        start = max(block_start, local_row_start)
-        end = min(block_start + size, local_end)
-        if end > start:
-            scale = lr_scale(size, cols, adjust_lr, update_rms)
-            ranges.append((start - local_row_start, end - local_row_start, scale))
-        block_start += size
+    local_start = 0
+    for first, last in local_row_ranges:
+        block_start = 0
+        for size in blocks:
+            start = max(block_start, first)
+            end = min(block_start + size, last)
+            if end > start:
+                scale = lr_scale(size, cols, adjust_lr, update_rms)
+                offset = local_start - first
+                ranges.append((start + offset, end + offset, scale))
+            block_start += size
+        local_start += last - first
     return ranges

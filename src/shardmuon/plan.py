@@ -159,8 +159,7 @@ def build_plan(
                 sizes,
                 layout.rows,
                 layout.cols,
-                layout.local_row_start,
-                layout.local_rows,
+                layout.local_piece.rows,
                 group["adjust_lr"],
                 update_rms,
             )

@@ -287,7 +287,8 @@ class _Symmetry:
     """Every rank's local shapes and groups, computed from rank 0's meshes and placements.
 
     ``supported`` is false when a placement is neither ``Shard`` nor ``Replicate`` (the
-    chunking below would not be DTensor's); then every rank must be laid out.
+    chunking below would not be DTensor's) or a matrix is sharded over several mesh dims;
+    then every rank must be laid out.
     """
 
     def __init__(self, plan0: RankPlan) -> None:
@@ -318,13 +319,19 @@ class _Symmetry:
             if key not in kinds:
                 # A param without matrices on this rank is in no batch: local, no groups.
                 layout = layouts.get(index, _NO_LAYOUT)
+                try:
+                    shard_dim = self._dim_of(mesh, key[1], layout.group, Shard, plan0.rank)
+                except RuntimeError:
+                    # Sharded over several mesh dims (FSDP over TP): lay out every rank.
+                    self.supported = False
+                    return
                 kinds[key] = len(self.kinds)
                 self.kinds.append(
                     _Kind(
                         mesh=mesh,
                         placements=key[1],
                         shape=key[2],
-                        shard_dim=self._dim_of(mesh, key[1], layout.group, Shard, plan0.rank),
+                        shard_dim=shard_dim,
                         replicate_dim=self._dim_of(
                             mesh, key[1], layout.replicas, Replicate, plan0.rank
                         ),
@@ -458,12 +465,12 @@ class _Symmetry:
                 out.append(batch)
                 continue
             gid, position = self.shard_group(self.kind_of[batch.segments[0].param_index], rank)
-            extent = layout.piece_sizes[position]
+            local_rows, local_cols = layout.piece_shape(position)
             layout = replace(
                 layout,
                 group=ShardGroup(self.group_ranks[gid], position, layout.group.process_group),
-                local_rows=extent if layout.shard_axis == 0 else layout.local_rows,
-                local_cols=extent if layout.shard_axis == 1 else layout.local_cols,
+                local_rows=local_rows,
+                local_cols=local_cols,
             )
             out.append(replace(batch, layout=layout))
         return out

@@ -27,16 +27,14 @@ def padded_scheme_bytes(chunks: Iterable[object]) -> int:
         if not isinstance(chunk, MuonBatch) or not chunk.layout.exchanged:
             continue
         layout = chunk.layout
-        key = (layout.group.ranks, layout.shard_axis, layout.rows, layout.cols)
+        key = (layout.group.ranks, layout.pieces, layout.rows, layout.cols)
         counts[key] = counts.get(key, 0) + chunk.num_matrices
         layouts[key] = layout
     total = 0
     for key, count in counts.items():
         layout = layouts[key]
         k = layout.group.size
-        extent, other = (
-            (layout.rows, layout.cols) if layout.shard_axis == 0 else (layout.cols, layout.rows)
-        )
-        padded_piece = math.ceil(extent / k) * other
+        # Every piece padded to the largest (the first, under torch.chunk's sizes).
+        padded_piece = max(piece.numel for piece in layout.pieces)
         total += 2 * (k - 1) * math.ceil(count / k) * padded_piece * BF16_BYTES
     return total
