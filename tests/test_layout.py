@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardmuon import layout
 from shardmuon.layout import _OwnerPicker, chunk_sizes, newton_schulz_cost
 
 
@@ -46,12 +47,134 @@ def test_padded_scheme_volume() -> None:
     """dion's scheme for 5 matrices of 30x16 rows-sharded over 4 ranks: 2 padded pieces of 8 rows
     to each of 3 peers, there and back, in bf16."""
     from shardmuon.bench.volume import padded_scheme_bytes
-    from shardmuon.layout import MatrixLayout, MuonBatch, Segment, ShardGroup
+    from shardmuon.layout import MatrixLayout, MuonBatch, Piece, Segment, ShardGroup
 
     group = ShardGroup(ranks=(0, 1, 2, 3), rank_index=1, process_group=None)
-    layout = MatrixLayout(30, 16, 1, 8, 16, False, 0, group, (8, 8, 8, 6))
+    rows = ((0, 8), (8, 16), (16, 24), (24, 30))
+    pieces = tuple(Piece(rows=(r,), cols=((0, 16),)) for r in rows)
+    matrix = MatrixLayout(30, 16, 1, 8, 16, False, group=group, pieces=pieces)
     batches = [
-        MuonBatch(0, layout, [Segment(i, 0, 1) for i in range(4)], owners=(0, 1, 2, 3)),
-        MuonBatch(1, layout, [Segment(4, 0, 1)], owners=(0,)),
+        MuonBatch(0, matrix, [Segment(i, 0, 1) for i in range(4)], owners=(0, 1, 2, 3)),
+        MuonBatch(1, matrix, [Segment(4, 0, 1)], owners=(0,)),
     ]
     assert padded_scheme_bytes(batches) == 2 * 3 * 2 * (8 * 16) * 2
+
+
+# ------------------------------------------------------------------ shard_ranges
+
+
+def _split(placement_split: tuple[int, int, int], t: torch.Tensor) -> torch.Tensor:
+    """torch's own split of ``t`` (dim 0) for one ``(num_chunks, coordinate, split_factor)``."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    num_chunks, coordinate, split_factor = placement_split
+    placement = Shard(0) if split_factor == 1 else _StridedShard(0, split_factor=split_factor)
+    chunks, _ = placement._split_tensor(t, num_chunks, with_padding=False)
+    assert len(chunks) == num_chunks  # empty chunks are filled in, as DTensor does
+    return chunks[coordinate]
+
+
+def _reference_indices(extent: int, splits) -> list[int]:
+    """The global indices one rank holds, in local order: torch's splits in sequence."""
+    t = torch.arange(extent)
+    for s in splits:
+        t = _split(s, t)
+    return t.tolist()
+
+
+def _expanded(ranges) -> list[int]:
+    return [i for start, stop in ranges for i in range(start, stop)]
+
+
+def _check_ranges(extent: int, splits) -> None:
+    ranges = layout.shard_ranges(extent, splits)
+    want = _reference_indices(extent, splits)
+    where = f"extent {extent}, splits {splits}"
+    assert isinstance(ranges, tuple), where
+    assert all(isinstance(r, tuple) and len(r) == 2 for r in ranges), (where, ranges)
+    assert all(start < stop for start, stop in ranges), f"{where}: empty range in {ranges}"
+    assert _expanded(ranges) == want, f"{where}: {ranges} != indices {want}"
+
+
+def _one_splits():
+    for num_chunks in (1, 2, 3, 4):
+        for split_factor in (1, 2, 3, 4):
+            for coordinate in range(num_chunks):
+                yield (num_chunks, coordinate, split_factor)
+
+
+EXTENTS = list(range(41))
+
+
+@pytest.mark.parametrize("extent", EXTENTS)
+def test_shard_ranges_one_split_matches_torch(extent: int) -> None:
+    for s in _one_splits():
+        _check_ranges(extent, [s])
+
+
+@pytest.mark.parametrize("extent", EXTENTS)
+def test_shard_ranges_two_splits_match_torch(extent: int) -> None:
+    """Every pair of splits (Shard or _StridedShard, 1-4 chunks, split factors 1-4)."""
+    singles = list(_one_splits())
+    for first in singles:
+        for second in singles:
+            _check_ranges(extent, (first, second))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_shard_ranges_three_splits_match_torch(seed: int) -> None:
+    """Chains of three splits, sampled (the full product is too large), on every extent."""
+    import random
+
+    rng = random.Random(seed)
+    singles = list(_one_splits())
+    for extent in EXTENTS:
+        for _ in range(25):
+            _check_ranges(extent, [rng.choice(singles) for _ in range(3)])
+
+
+def test_shard_ranges_without_splits_is_the_whole_dim() -> None:
+    assert layout.shard_ranges(7, ()) == ((0, 7),)
+    assert layout.shard_ranges(0, ()) == ()
+
+
+def test_shard_ranges_fsdp_over_tp_example() -> None:
+    """torch's _StridedShard docstring: 8 rows, mesh (dp, tp) = 2x2, placements
+    (_StridedShard(0, sf=2), Shard(0)): ranks (0,0), (0,1), (1,0), (1,1) hold rows 0-1,
+    4-5, 2-3, 6-7 (tp first, then dp: the right-to-left order FSDP2 over TP produces)."""
+    held = {
+        (dp, tp): layout.shard_ranges(8, [(2, dp, 2), (2, tp, 1)]) for dp in (0, 1) for tp in (0, 1)
+    }
+    assert held == {
+        (0, 0): ((0, 2),),
+        (0, 1): ((4, 6),),
+        (1, 0): ((2, 4),),
+        (1, 1): ((6, 8),),
+    }
+    # The strided shard alone: each dp rank holds two separate row blocks.
+    assert _expanded(layout.shard_ranges(8, [(2, 0, 2)])) == [0, 1, 4, 5]
+    assert len(layout.shard_ranges(8, [(2, 0, 2)])) == 2
+
+
+def test_shard_ranges_uneven_and_empty() -> None:
+    # 3 rows, Shard(0) twice over 2x2: 2/1 then 1/1 and 1/0 (the last rank holds nothing).
+    assert [layout.shard_ranges(3, [(2, a, 1), (2, b, 1)]) for a in (0, 1) for b in (0, 1)] == [
+        ((0, 1),),
+        ((1, 2),),
+        ((2, 3),),
+        (),
+    ]
+    # 3 rows, _StridedShard(0, sf=2) then Shard(0): pieces [0, 1] | [2]; dp 0 gets rows 0 and
+    # 2 (not adjacent), dp 1 gets row 1; tp then splits those local rows.
+    assert _expanded(layout.shard_ranges(3, [(2, 0, 2)])) == [0, 2]
+    assert _expanded(layout.shard_ranges(3, [(2, 1, 2)])) == [1]
+    assert layout.shard_ranges(3, [(2, 1, 2), (2, 1, 1)]) == ()
+
+
+def test_piece_shape_and_numel() -> None:
+    piece = layout.Piece(rows=((0, 2), (4, 6)), cols=((3, 8),))
+    assert piece.shape == (4, 5)
+    assert piece.numel == 20
+    empty = layout.Piece(rows=(), cols=((0, 3),))
+    assert empty.shape == (0, 3)
+    assert empty.numel == 0
