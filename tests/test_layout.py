@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -74,9 +76,39 @@ def _split(placement_split: tuple[int, int, int], t: torch.Tensor) -> torch.Tens
     return chunks[coordinate]
 
 
+def _chunk_of(t: torch.Tensor, num_chunks: int, coordinate: int) -> torch.Tensor:
+    chunks = list(t.chunk(num_chunks))
+    chunks += [t[:0]] * (num_chunks - len(chunks))
+    return chunks[coordinate]
+
+
+def _fsdp_order(splits) -> bool:
+    """Whether a _StridedShard in ``splits`` records FSDP2 sharding after the later shards
+    (its split factor is the product of their chunk counts)."""
+    return any(
+        sf > 1 and sf == math.prod(n for n, _, _ in splits[i + 1 :])
+        for i, (_, _, sf) in enumerate(splits)
+    )
+
+
+def _nested_indices(t: torch.Tensor, splits) -> torch.Tensor:
+    """FSDP2's order on data: later shards first where a split factor says so (torch.chunk)."""
+    if not splits:
+        return t
+    (n, c, sf), later = splits[0], list(splits[1:])
+    if sf == 1:
+        return _nested_indices(_chunk_of(t, n, c), later)
+    if sf == math.prod(m for m, _, _ in later):
+        return _chunk_of(_nested_indices(t, later), n, c)
+    return _nested_indices(_split((n, c, sf), t), later)
+
+
 def _reference_indices(extent: int, splits) -> list[int]:
-    """The global indices one rank holds, in local order: torch's splits in sequence."""
+    """The global indices one rank holds, in local order: torch's splits in sequence, or,
+    where a split factor records FSDP2 over later shards, those shards first."""
     t = torch.arange(extent)
+    if _fsdp_order(splits):
+        return _nested_indices(t, list(splits)).tolist()
     for s in splits:
         t = _split(s, t)
     return t.tolist()
@@ -164,11 +196,41 @@ def test_shard_ranges_uneven_and_empty() -> None:
         ((2, 3),),
         (),
     ]
-    # 3 rows, _StridedShard(0, sf=2) then Shard(0): pieces [0, 1] | [2]; dp 0 gets rows 0 and
-    # 2 (not adjacent), dp 1 gets row 1; tp then splits those local rows.
+    # A lone _StridedShard(0, sf=2) is read as torch's _split_tensor: pieces [0, 1] | [2];
+    # dp 0 gets rows 0 and 2 (not adjacent), dp 1 gets row 1.
     assert _expanded(layout.shard_ranges(3, [(2, 0, 2)])) == [0, 2]
     assert _expanded(layout.shard_ranges(3, [(2, 1, 2)])) == [1]
-    assert layout.shard_ranges(3, [(2, 1, 2), (2, 1, 1)]) == ()
+    # _StridedShard(0, sf=2) then Shard(0) over 2x2 is FSDP2 over TP: tp first ([0, 1] | [2]),
+    # then dp: (dp, tp) = (0, 0) row 0, (0, 1) row 2, (1, 0) row 1, (1, 1) nothing.
+    held = [layout.shard_ranges(3, [(2, dp, 2), (2, tp, 1)]) for dp in (0, 1) for tp in (0, 1)]
+    assert held == [((0, 1),), ((2, 3),), ((1, 2),), ()]
+
+
+@pytest.mark.parametrize("extent", EXTENTS)
+def test_shard_ranges_fsdp_over_tp_is_tp_then_fsdp(extent: int) -> None:
+    """(_StridedShard(0, sf=tp), Shard(0)) on a (dp, tp) mesh holds chunk ``dp`` of chunk
+    ``tp`` (torch.chunk twice: what FSDP2 keeps of a TP shard), uneven sizes included; with
+    sizes that divide evenly it is also torch's own _split_tensor reading."""
+    for dp_size in (1, 2, 3, 4):
+        for tp_size in (2, 3, 4):
+            for dp in range(dp_size):
+                for tp in range(tp_size):
+                    splits = [(dp_size, dp, tp_size), (tp_size, tp, 1)]
+                    got = _expanded(layout.shard_ranges(extent, splits))
+                    tp_local = _chunk_of(torch.arange(extent), tp_size, tp)
+                    assert got == _chunk_of(tp_local, dp_size, dp).tolist(), (extent, splits)
+                    if extent % (dp_size * tp_size) == 0:
+                        t = _split(splits[1], _split(splits[0], torch.arange(extent)))
+                        assert got == t.tolist(), (extent, splits)
+
+
+def test_shard_ranges_fsdp_differs_from_split_tensor_where_uneven() -> None:
+    """9 rows on a 4x2 (dp, tp) mesh: FSDP2 leaves (dp=3, tp=0) empty and gives row 8 to
+    (dp=3, tp=1); _split_tensor's reading would swap them (and DTensor cannot reassemble that)."""
+    assert layout.shard_ranges(9, [(4, 3, 2), (2, 0, 1)]) == ()
+    assert layout.shard_ranges(9, [(4, 3, 2), (2, 1, 1)]) == ((8, 9),)
+    left_to_right = _split((2, 0, 1), _split((4, 3, 2), torch.arange(9)))
+    assert left_to_right.tolist() == [8]
 
 
 def test_piece_shape_and_numel() -> None:

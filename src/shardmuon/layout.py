@@ -220,14 +220,13 @@ def shard_ranges(extent: int, splits: Sequence[tuple[int, int, int]]) -> tuple[R
     ``splits``: the shards of this dim in mesh-dim order, each ``(num_chunks, coordinate,
     split_factor)``. ``Shard`` (``split_factor == 1``) keeps chunk ``coordinate`` of
     ``torch.chunk`` (ceil-sized chunks, the last ones shorter or empty) of what the shards
-    before it left. ``_StridedShard`` records a shard made *after* the ones to its right
-    (FSDP2 sharding a tensor-parallel weight): its ``split_factor`` must be the product of
-    the chunk counts of the later shards of this dim, which are applied first; it then
-    chunks what they left. This is what FSDP2 holds and what DTensor's ``full_tensor()``
-    reassembles, uneven sizes included (where it differs from ``_StridedShard._split_tensor``,
-    which needs even sizes). Adjacent ranges merge.
-
-    Raises ``ValueError`` for a split factor that is neither 1 nor that product.
+    before it left. A ``_StridedShard`` whose ``split_factor`` is the product of the chunk
+    counts of the later shards of this dim records a shard made *after* them (FSDP2
+    sharding a tensor-parallel weight): they are applied first, then it chunks what they
+    left. That is what FSDP2 holds and what DTensor's ``full_tensor()`` reassembles, uneven
+    sizes included (``_StridedShard._split_tensor`` agrees only when sizes divide evenly).
+    Any other ``_StridedShard`` is read as ``_split_tensor`` does: ``split_factor`` parts,
+    each cut into ``num_chunks``, chunk ``coordinate`` of every part. Adjacent ranges merge.
     """
     ranges = _apply_shards(((0, extent),) if extent else (), list(splits))
     merged: list[Range] = []
@@ -247,14 +246,11 @@ def _apply_shards(
     (num_chunks, coordinate, split_factor), later = splits[0], splits[1:]
     if split_factor == 1:
         return _apply_shards(_chunk(ranges, num_chunks, coordinate), later)
-    later_chunks = math.prod(n for n, _, _ in later)
-    if split_factor != later_chunks:
-        raise ValueError(
-            f"a _StridedShard with split_factor {split_factor} followed by shards of the same "
-            f"dim into {[n for n, _, _ in later]} chunks (product {later_chunks}); shardmuon "
-            "reads a split factor equal to that product (FSDP2 over the later shards)"
-        )
-    return _chunk(_apply_shards(ranges, later), num_chunks, coordinate)
+    if split_factor == math.prod(n for n, _, _ in later):
+        return _chunk(_apply_shards(ranges, later), num_chunks, coordinate)
+    parts = [_chunk(ranges, split_factor, j) for j in range(split_factor)]
+    kept = tuple(r for part in parts for r in _chunk(part, num_chunks, coordinate))
+    return _apply_shards(kept, later)
 
 
 def _chunk(ranges: tuple[Range, ...], num_chunks: int, index: int) -> tuple[Range, ...]:
@@ -375,11 +371,7 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
             [(mesh.size(m), coordinate[m], sf) for m, a, sf in shards if a == axis]
             for axis in (0, 1)
         ]
-        try:
-            piece = Piece(shard_ranges(rows, splits[0]), shard_ranges(cols, splits[1]))
-        except ValueError as error:
-            raise NotImplementedError(f"parameter {_describe(name, param)}: {error}") from None
-        pieces.append(piece)
+        pieces.append(Piece(shard_ranges(rows, splits[0]), shard_ranges(cols, splits[1])))
     own = pieces[group.rank_index].shape
     if own != (local_rows, local_cols):
         raise RuntimeError(
