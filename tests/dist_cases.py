@@ -642,21 +642,34 @@ def _partial(ctx: Context) -> None:
     fail_on(problems)
 
 
-@case("error_two_matrix_shards_2x2", MESH_2X2)
+@case("two_matrix_shards_2x2", MESH_2X2)
 def _two_matrix_shards(ctx: Context) -> None:
-    ok = nn.Parameter(place(ctx, Spec((8, 8), (S0,)), torch.zeros(8, 8)))
-    two = nn.Parameter(place(ctx, Spec((8, 12), (S0, S1), "2d"), torch.zeros(8, 12)))
-    stack = nn.Parameter(place(ctx, Spec((2, 8, 12), (S1, S2), "2d"), torch.zeros(2, 8, 12)))
-    problems = expect_raises(
-        NotImplementedError,
-        ["param 1", "(8, 12)", "Shard(dim=0), Shard(dim=1)", "two matrix dims"],
-        lambda: Muon([{"params": [ok, two], "algorithm": "muon"}]),
-    )
-    problems += expect_raises(
-        NotImplementedError,
-        ["param 0", "Shard(dim=1), Shard(dim=2)"],
-        lambda: Muon([{"params": [stack], "algorithm": "muon"}]),
-    )
+    """Once refused, now exchanged over both mesh dims (more in ``dist_tp_cases``): a matrix
+    sharded on rows and columns, a stack sharded on both matrix dims, beside a 1-D shard."""
+    specs = [
+        Spec((8, 8), (S0,)),
+        Spec((8, 12), (S0, S1), "2d"),
+        Spec((2, 8, 12), (S1, S2), "2d"),
+    ]
+    check_against_single(ctx, specs)
+
+
+@case("error_flatten_shard_not_dim0", MULTI_RANK)
+def _flatten_shard_not_dim0(ctx: Context) -> None:
+    """With ``flatten=True`` only shards of dim 0 are exchanged; a shard of another dim,
+    alone or beside one of dim 0, is refused at construction, naming the parameter."""
+    params = [nn.Parameter(place(ctx, Spec((8, 3, 4), (S1,)), torch.zeros(8, 3, 4)))]
+    if ctx.mesh_2d is not None:
+        spec = Spec((8, 3, 4), (S0, S1), "2d")
+        params.append(nn.Parameter(place(ctx, spec, torch.zeros(8, 3, 4))))
+    problems = []
+    for param in params:
+        found = expect_raises(
+            NotImplementedError,
+            ["param 0", "(8, 3, 4)", "flatten=True", "dim 0"],
+            lambda param=param: Muon([{"params": [param], "algorithm": "muon"}], flatten=True),
+        )
+        problems += [f"{tuple(param.placements)}: {p}" for p in found]
     fail_on(problems)
 
 

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardmuon import Muon
 from shardmuon.layout import MuonBatch, local_tensor
@@ -178,21 +180,118 @@ def counting_all_to_all() -> Iterator[list[AllToAllCall]]:
         dist.all_to_all_single = original
 
 
+@dataclass(frozen=True)
+class Collective:
+    """One collective as the dispatcher saw it: the op, and its tensor argument(s)."""
+
+    op: str
+    numel: int
+    dtype: torch.dtype | None
+
+
+class _CollectiveRecorder(TorchDispatchMode):
+    """Records every ``c10d`` / functional-collective op dispatched while active."""
+
+    NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Collective] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in self.NAMESPACES:
+            first = args[0] if args else None
+            tensors = list(first) if isinstance(first, (list, tuple)) else [first]
+            tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+            self.calls.append(
+                Collective(
+                    op=f"{func.namespace}.{func._schema.name.split('::')[-1]}",
+                    numel=sum(t.numel() for t in tensors),
+                    dtype=tensors[0].dtype if tensors else None,
+                )
+            )
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def recording_collectives() -> Iterator[list[Collective]]:
+    """Record every collective dispatched in the block (``torch.distributed``'s and the
+    functional ones DTensor uses), whatever calls it."""
+    recorder = _CollectiveRecorder()
+    with recorder:
+        yield recorder.calls
+
+
+def agreement_groups_of(params: list[torch.Tensor], flatten: bool) -> set[tuple[int, ...]]:
+    """Groups the agreement check must reduce over: the matrix-shard groups and the HSDP
+    replicate groups of the Muon params (size > 1), read from placements."""
+    groups = set()
+    for p in params:
+        for g in (matrix_shard_group(p, flatten), replicate_group(p)):
+            if g is not None and len(g) > 1:
+                groups.add(g)
+    return groups
+
+
+def check_step_collectives(
+    calls: list[Collective], agreement_groups: int, first_step: bool, label: str
+) -> list[str]:
+    """Only all-to-alls, plus (first step only) one 4-element int64 all-reduce per group."""
+    problems = []
+    reduces = [c for c in calls if c.op == "c10d.allreduce_"]
+    others = [c for c in calls if c.op not in ("c10d.allreduce_", "c10d.alltoall_base_")]
+    if others:
+        problems.append(f"{label}: collectives other than all-to-alls and the check: {others}")
+    want = agreement_groups if first_step else 0
+    if len(reduces) != want or any(c.numel != 4 or c.dtype != torch.int64 for c in reduces):
+        problems.append(
+            f"{label}: all-reduces {reduces}, expected {want} of 4 int64 elements (the "
+            "agreement check: one per group on the first step, none later)"
+        )
+    return problems
+
+
 def matrix_shard_group(p: torch.Tensor, flatten: bool) -> tuple[int, ...] | None:
-    """Global ranks sharing ``p``'s one matrix-dim shard, read from its placements, or None."""
+    """Global ranks holding pieces of the same matrices as this rank, or None.
+
+    Read from the placements and the mesh: every mesh dim of size > 1 that shards a matrix
+    dim (``Shard`` or ``_StridedShard``) is flattened, in row-major order, the other mesh
+    dims fixed at this rank's coordinate (as ``mesh[names]._flatten()`` would); one such
+    mesh dim gives its own group, in its own order.
+    """
     if not isinstance(p, DTensor):
         return None
+    mesh = p.device_mesh
     matrix_dims = set(range(p.ndim)) if flatten else {p.ndim - 2, p.ndim - 1}
-    groups = [
-        tuple(dist.get_process_group_ranks(p.device_mesh.get_group(d)))
+    dims = [
+        d
         for d, placement in enumerate(p.placements)
-        if isinstance(placement, Shard)
+        if isinstance(placement, (Shard, _StridedShard))
         and placement.dim % p.ndim in matrix_dims
-        and p.device_mesh.size(d) > 1
+        and mesh.size(d) > 1
     ]
-    if len(groups) > 1:
-        raise AssertionError(f"test setup: {tuple(p.placements)} has two matrix-dim shards")
-    return groups[0] if groups else None
+    if not dims:
+        return None
+    coordinate = mesh.get_coordinate()
+    index = tuple(slice(None) if d in dims else coordinate[d] for d in range(mesh.ndim))
+    return tuple(mesh.mesh[index].flatten().tolist())
+
+
+def replicate_group(p: torch.Tensor) -> tuple[int, ...] | None:
+    """Global ranks along ``p``'s one ``Replicate`` mesh dim of size > 1 (HSDP's), or None."""
+    if not isinstance(p, DTensor):
+        return None
+    mesh = p.device_mesh
+    dims = [
+        d
+        for d, placement in enumerate(p.placements)
+        if isinstance(placement, Replicate) and mesh.size(d) > 1
+    ]
+    if len(dims) != 1:
+        return None
+    coordinate = mesh.get_coordinate()
+    index = tuple(slice(None) if d == dims[0] else coordinate[d] for d in range(mesh.ndim))
+    return tuple(mesh.mesh[index].flatten().tolist())
 
 
 def local_matrices(p: torch.Tensor, flatten: bool) -> tuple[int, int, int]:
@@ -281,13 +380,23 @@ def expected_traffic(ctx: Context, opt: Muon, flatten: bool) -> Traffic:
 
 
 def check_step_traffic(
-    ctx: Context, opt: Muon, calls: list[AllToAllCall], flatten: bool, label: str
+    ctx: Context,
+    opt: Muon,
+    calls: list[AllToAllCall],
+    flatten: bool,
+    label: str,
+    tally: list[tuple[int, int]] | None = None,
 ) -> list[str]:
-    """Compare the counted all-to-alls with the stats and the independent expectation."""
+    """Compare the counted all-to-alls with the stats and the independent expectation.
+
+    ``tally``: if given, ``(bytes sent as counted, minimum)`` of this rank is appended.
+    """
     expected = expected_traffic(ctx, opt, flatten)
     stats = opt.last_step_stats
     counted_sent = sum(c.sent for c in calls)
     counted_received = sum(c.received for c in calls)
+    if tally is not None:
+        tally.append((counted_sent, expected.sent))
     problems = [f"{label}: {p}" for p in expected.problems]
 
     def expect(what: str, got, want) -> None:
@@ -342,26 +451,43 @@ def compare_states(
 ) -> list[str]:
     """Bitwise param/momentum/variance/step comparison (gathers first, then checks).
 
-    ``ref_params`` are usually plain tensors; DTensors (another distributed run) work too.
+    ``ref_params`` are usually plain tensors: each rank then compares its local shards with
+    the same shards cut from the reference by ``distribute_tensor`` (no gather: DTensor
+    cannot gather some uneven ``_StridedShard`` layouts). DTensors (another distributed run)
+    are compared whole.
     """
     pairs = []
     for i, (p, r) in enumerate(zip(dist_params, ref_params)):
-        pairs.append((f"param {i}", full(p).detach(), full(r).detach()))
+        pairs.append((f"param {i}", *_comparable(p.detach(), r.detach())))
         for key in ("momentum", "variance"):
             if key in ref_opt.state[r]:
                 got, want = dist_opt.state[p][key], ref_opt.state[r][key]
-                pairs.append((f"{key} {i}", full(got), full(want)))
+                pairs.append((f"{key} {i}", *_comparable(got, want)))
     problems = []
     for what, got, want in pairs:
-        if not torch.equal(got, want):
+        index = int(what.split()[-1])
+        if got.shape != want.shape:
+            problems.append(
+                f"{label}: {what} {specs[index]} has shape {tuple(got.shape)}, expected "
+                f"{tuple(want.shape)}"
+            )
+        elif not torch.equal(got, want):
             diff = (got.double() - want.double()).abs().max().item()
-            index = int(what.split()[-1])
             problems.append(f"{label}: {what} {specs[index]} differs (max abs diff {diff:.3g})")
     steps = [g["step"] for g in dist_opt.param_groups]
     ref_steps = [g["step"] for g in ref_opt.param_groups]
     if steps != ref_steps:
         problems.append(f"{label}: group step counters {steps}, single-process {ref_steps}")
     return problems
+
+
+def _comparable(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``got``'s local shard and the same shard of plain ``want``; or both whole."""
+    if isinstance(got, DTensor) and not isinstance(want, DTensor):
+        mesh, placements = got.device_mesh, list(got.placements)
+        shard = distribute_tensor(want.clone(), mesh, placements, src_data_rank=None)
+        return local_tensor(got), local_tensor(shard)
+    return full(got), full(want)
 
 
 def step_by_chunks(opt: Muon) -> None:
@@ -400,6 +526,8 @@ def compare_with_single(
     chunked: bool = False,
     expect_no_traffic: bool = False,
     check_traffic: bool = True,
+    check_collectives: bool = False,
+    tally: list[tuple[int, int]] | None = None,
     **muon_kwargs,
 ) -> tuple[Muon, list[str]]:
     """Step a distributed Muon and the same Muon on plain tensors; everything must match.
@@ -410,6 +538,9 @@ def compare_with_single(
     is left to the caller, so that a case can run more collectives after a mismatch.
     ``check_traffic=False`` skips the per-step traffic checks (which assume every replica
     exchanges its own batches) for cases that check traffic themselves.
+    ``check_collectives``: no collective in a step but the all-to-alls and, on the first
+    step, the agreement check's all-reduces (one per group the placements imply).
+    ``tally`` collects ``(bytes sent, minimum)`` per step (see :func:`check_step_traffic`).
     """
     kwargs = {"lr": 0.02, "weight_decay": 0.1, "nesterov": True, **muon_kwargs}
     flatten = bool(kwargs.get("flatten", False))
@@ -426,12 +557,16 @@ def compare_with_single(
             r.grad = g.clone() if spec.has_grad else None
             p.grad = place(ctx, spec, g) if spec.has_grad else None
         ref.step()
-        with counting_all_to_all() as calls:
+        recording = recording_collectives() if check_collectives else contextlib.nullcontext([])
+        with counting_all_to_all() as calls, recording as collectives:
             step_by_chunks(opt) if chunked else opt.step()
         label = f"step {step + 1}"
+        if check_collectives:
+            groups = len(agreement_groups_of(muon_params(opt), flatten))
+            problems += check_step_collectives(collectives, groups, step == 0, label)
         if not check_traffic:
             continue
-        problems += check_step_traffic(ctx, opt, calls, flatten, label)
+        problems += check_step_traffic(ctx, opt, calls, flatten, label, tally)
         if not has_partitions:
             problems += check_orthogonalized(ctx, opt, flatten, label)
         if expect_no_traffic and calls:

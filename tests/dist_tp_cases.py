@@ -1,0 +1,528 @@
+"""Two-dimensional shards (issue #13): matrices sharded on both matrix dims, or on one matrix
+dim twice (``_StridedShard`` included), at world 4 (a 2x2 ``("dp", "tp")`` mesh) and world 8
+(a 2x2x2 ``("replicate", "dp", "tp")`` mesh and a 4x2 ``("dp", "tp")`` one). Run by
+``test_tp.py``.
+
+Every case compares the distributed Muon with the same Muon on plain tensors in one process
+(params and momentum bitwise, several steps), counts the bytes handed to
+``all_to_all_single`` against the minimum implied by the local shapes every rank really
+holds and the batches' owners (each piece not on its owner goes there and back once, in
+bf16), records every collective of the step (only all-to-alls, plus the agreement check's
+all-reduces on the first step), and compares each batch's ``layout.pieces`` with the global
+rows and columns DTensor really gives each rank. Each case logs a line
+``TRAFFIC case=... sent=... minimum=... ratio=...`` (world totals over all steps) in rank 0's
+log, which ``test_tp.py`` collects.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from dist_checks import (
+    S0,
+    S1,
+    S2,
+    Case,
+    Context,
+    R,
+    Spec,
+    agreement_groups_of,
+    check_orthogonalized,
+    check_step_collectives,
+    check_step_traffic,
+    compare_states,
+    compare_with_single,
+    counting_all_to_all,
+    fail_on,
+    make_optimizer,
+    muon_params,
+    place,
+    random_tensors,
+    recording_collectives,
+)
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from shardmuon import Muon
+from shardmuon.layout import MuonBatch, local_tensor
+
+__all__ = ["CASES", "cases_for", "make_context"]
+
+WORLD4 = (4,)
+WORLD8 = (8,)
+# FSDP2 over TP's colwise weights: dp's strided shard of rows that tp shards again.
+SS0 = _StridedShard(0, split_factor=2)
+SS1 = _StridedShard(1, split_factor=2)
+
+
+@dataclass
+class TPContext(Context):
+    """Meshes by name: ``"1d"`` (the world), ``"2d"`` (``("dp", "tp")``: 2x2 at world 4, 4x2 at
+    world 8) and, at world 8, ``"3d"`` (``("replicate", "dp", "tp")``, 2x2x2)."""
+
+    meshes: dict[str, DeviceMesh] = field(default_factory=dict)
+
+    def mesh_for(self, name: str) -> DeviceMesh:
+        return self.meshes[name]
+
+
+def make_context(rank: int, world_size: int) -> TPContext:
+    meshes = {"1d": init_device_mesh("cpu", (world_size,))}
+    if world_size == 4:
+        meshes["2d"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    if world_size == 8:
+        meshes["2d"] = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+        meshes["3d"] = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "dp", "tp"))
+    return TPContext(rank, world_size, meshes["1d"], meshes.get("2d"), meshes)
+
+
+CASES: dict[str, Case] = {}
+# Cases that log a TRAFFIC line (test_tp.py checks each one did).
+TRAFFIC_CASES: set[str] = set()
+
+
+def case(name: str, worlds: tuple[int, ...], traffic: bool = True):
+    def register(fn):
+        if name in CASES:
+            raise ValueError(f"case {name!r} registered twice")
+        CASES[name] = Case(fn, worlds)
+        if traffic:
+            TRAFFIC_CASES.add(name)
+        return fn
+
+    return register
+
+
+def cases_for(world_size: int) -> list[str]:
+    return [name for name, c in CASES.items() if world_size in c.worlds]
+
+
+# ------------------------------------------------------------------ shared checks
+
+
+def _index_pieces(p: DTensor) -> tuple[tuple[int, int], list[int] | None, list[int] | None]:
+    """This rank's piece of ``p``'s matrices as DTensor lays it out: the local shape, and the
+    global rows and columns in local order (``None`` where the piece is empty so they cannot
+    be read). Read by distributing index tensors with ``p``'s placements (no communication)."""
+    rows, cols = p.shape[-2], p.shape[-1]
+    row_index = torch.arange(rows, dtype=torch.float64).view(rows, 1).expand(p.shape)
+    col_index = torch.arange(cols, dtype=torch.float64).view(1, cols).expand(p.shape)
+    mesh, placements = p.device_mesh, list(p.placements)
+    local_rows = local_tensor(
+        distribute_tensor(row_index.contiguous(), mesh, placements, src_data_rank=None)
+    )
+    local_cols = local_tensor(
+        distribute_tensor(col_index.contiguous(), mesh, placements, src_data_rank=None)
+    )
+    shape = (local_rows.shape[-2], local_rows.shape[-1])
+    if local_rows.numel() == 0:
+        return shape, None, None
+    local_rows = local_rows.reshape(-1, *shape)
+    local_cols = local_cols.reshape(-1, *shape)
+    return shape, local_rows[0, :, 0].long().tolist(), local_cols[0, 0, :].long().tolist()
+
+
+def _expanded(ranges) -> list[int]:
+    return [i for start, stop in ranges for i in range(start, stop)]
+
+
+def check_pieces(ctx: Context, opt: Muon, label: str) -> list[str]:
+    """Every exchanged batch's ``layout.pieces[j]`` is what rank ``group.ranks[j]`` holds of
+    each of the batch's parameters (shape, global rows and columns). Collective."""
+    params = muon_params(opt)
+    mine = [_index_pieces(p) if isinstance(p, DTensor) else None for p in params]
+    everyone: list = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    problems = []
+    exchanged = 0
+    for batch in opt.chunks():
+        if not isinstance(batch, MuonBatch) or not batch.layout.exchanged:
+            continue
+        exchanged += 1
+        layout = batch.layout
+        pieces = getattr(layout, "pieces", None)
+        if pieces is None or len(pieces) != layout.group.size:
+            problems.append(f"{label}: batch {batch.index} has pieces {pieces}")
+            continue
+        for index in sorted({s.param_index for s in batch.segments}):
+            for j, rank in enumerate(layout.group.ranks):
+                shape, rows, cols = everyone[rank][index]
+                piece = pieces[j]
+                where = f"{label}: batch {batch.index}, Muon param {index}, rank {rank}"
+                if tuple(piece.shape) != tuple(shape):
+                    problems.append(f"{where}: piece {piece} but DTensor's local shape {shape}")
+                elif rows is not None and (
+                    _expanded(piece.rows) != rows or _expanded(piece.cols) != cols
+                ):
+                    problems.append(
+                        f"{where}: piece {piece} but DTensor holds rows {rows}, cols {cols}"
+                    )
+    if exchanged == 0:
+        problems.append(f"{label}: no exchanged batch (the case needs one)")
+    return problems
+
+
+def log_traffic(ctx: Context, name: str, tally: list[tuple[int, int]]) -> list[str]:
+    """World totals of bytes sent and of the minimum over all steps; rank 0 logs the line.
+    Collective."""
+    sent, minimum = sum(t[0] for t in tally), sum(t[1] for t in tally)
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, (sent, minimum))
+    world_sent = sum(g[0] for g in gathered)
+    world_minimum = sum(g[1] for g in gathered)
+    ratio = world_sent / world_minimum if world_minimum else float("nan")
+    if ctx.rank == 0:
+        print(
+            f"TRAFFIC case={name} world={ctx.world_size} sent={world_sent} "
+            f"minimum={world_minimum} ratio={ratio:.4f}",
+            flush=True,
+        )
+    if world_minimum == 0:
+        return [f"{name}: the layout moved no bytes (minimum 0): not a two-dim exchange"]
+    return []
+
+
+def check_layout(ctx: Context, name: str, specs: list[Spec], **kwargs) -> Muon:
+    """Against one process (bitwise), minimum bytes, only the expected collectives, pieces."""
+    tally: list[tuple[int, int]] = []
+    opt, problems = compare_with_single(ctx, specs, check_collectives=True, tally=tally, **kwargs)
+    problems += check_pieces(ctx, opt, name)
+    problems += log_traffic(ctx, name, tally)
+    fail_on(problems)
+    return opt
+
+
+# ------------------------------------------------------------------ raw DTensors
+
+# name -> (specs, Muon kwargs, worlds)
+LAYOUTS: dict[str, tuple[list[Spec], dict, tuple[int, ...]]] = {
+    # Five of a shape on a group of 4: a full batch and a short one.
+    "s0_s1": (
+        [Spec((12, 8), (S0, S1), "2d")] * 5 + [Spec((8, 12), (S0, S1), "2d")],
+        {},
+        WORLD4,
+    ),
+    "s1_s0": (
+        [Spec((12, 8), (S1, S0), "2d")] * 5 + [Spec((8, 12), (S1, S0), "2d")],
+        {"nesterov": False},
+        WORLD4,
+    ),
+    "s0_s0": (
+        [Spec((12, 8), (S0, S0), "2d")] * 5 + [Spec((8, 12), (S0, S0), "2d")],
+        {"adjust_lr": "spectral_norm"},
+        WORLD4,
+    ),
+    "s1_s1": ([Spec((8, 12), (S1, S1), "2d")] * 3, {}, WORLD4),
+    "strided_s0": (
+        [Spec((12, 8), (SS0, S0), "2d")] * 5 + [Spec((8, 12), (SS0, S0), "2d")],
+        {},
+        WORLD4,
+    ),
+    "strided_s1": ([Spec((8, 12), (SS1, S1), "2d")] * 3, {}, WORLD4),
+    # Uneven and empty pieces: 9x7, 5x3, 3x2 (3 rows twice over 2x2: 1, 1, 1, 0 rows).
+    "uneven": (
+        [
+            Spec(shape, placements, "2d")
+            for shape in ((9, 7), (5, 3), (3, 2))
+            for placements in ((S0, S1), (S1, S0), (S0, S0), (SS0, S0), (S1, S1))
+        ],
+        {},
+        WORLD4,
+    ),
+    # Stacks with both matrix dims sharded (no batch-dim shard): exchanged matrix by matrix.
+    "stacks_two_matrix_dims": (
+        [
+            Spec((2, 8, 12), (S1, S2), "2d"),
+            Spec((3, 9, 7), (S2, S1), "2d"),
+            Spec((2, 10, 6), (S1, S1), "2d"),
+            Spec((2, 10, 6), (_StridedShard(1, split_factor=2), S1), "2d"),
+        ],
+        {},
+        WORLD4,
+    ),
+    # Expert parallel on the batch dim (mesh dim 0) plus TP on rows or columns (mesh dim 1);
+    # 3 experts on 2 ranks: 2 and 1.
+    "experts_ep_tp": (
+        [
+            Spec((4, 12, 8), (S0, S1), "2d"),
+            Spec((3, 10, 6), (S0, S1), "2d"),
+            Spec((4, 6, 10), (S0, S2), "2d"),
+            Spec((3, 9, 7), (S0, S2), "2d"),
+        ],
+        {},
+        WORLD4,
+    ),
+    # Partitions (fused row blocks) across the strided and doubly-sharded row sets: each rank's
+    # rows cross block boundaries and take each block's own lr scale.
+    "partitions": (
+        [
+            Spec((12, 8), (SS0, S0), "2d", partitions=(4, 8)),
+            Spec((12, 8), (S0, S1), "2d", partitions=(5, 7)),
+            Spec((12, 8), (S0, S0), "2d", partitions=(3, 9)),
+            Spec((12, 8), (S1, S0), "2d", partitions=(6, 6)),
+            Spec((2, 14, 6), (S1, S2), "2d", partitions=(7, 7)),
+            Spec((12, 8), (S0, S1), "2d"),  # same shape, no partitions: another batch
+        ],
+        {},
+        WORLD4,
+    ),
+    # One matrix shape under many layouts, 1-D and 2-D, in one optimizer: those over all four
+    # ranks share the group's ranks but not its pieces, so must not share a batch.
+    "mixed_1d_2d": (
+        [
+            Spec((12, 8), (S0, S1), "2d"),
+            Spec((12, 8), (S0,), "1d"),
+            Spec((12, 8), (S1, S0), "2d"),
+            Spec((12, 8), (SS0, S0), "2d"),
+            Spec((12, 8), (S0, S0), "2d"),
+            Spec((12, 8), (R, S0), "2d"),
+            Spec((12, 8), (S1, R), "2d"),
+            Spec((12, 8), (S1,), "1d"),
+            Spec((12, 8)),
+            Spec((12, 8), (S0, S1), "2d"),
+            Spec((12,), (S0, R), "2d", algorithm="adamw"),
+            Spec((12, 8), (S0, S1), "2d", algorithm="adamw"),
+        ],
+        {},
+        WORLD4,
+    ),
+    # ---- world 8
+    # HSDP x TP: replicas of a dp x tp shard group.
+    "hsdp_tp": (
+        [
+            Spec((12, 8), (R, S0, S1), "3d"),
+            Spec((12, 8), (R, S0, S1), "3d"),
+            Spec((12, 8), (R, S0, S1), "3d"),
+            Spec((9, 7), (R, SS0, S0), "3d"),
+            Spec((8, 12), (R, S1, S0), "3d"),
+            Spec((3, 2), (R, S0, S1), "3d"),
+            Spec((10,), (R, S0, R), "3d", algorithm="adamw"),
+        ],
+        {},
+        WORLD8,
+    ),
+    # Experts on mesh dim 0, rows on dp, columns on tp (both matrix dims plus the expert dim);
+    # rows twice; a strided row shard; 3 experts on 2 ranks.
+    "experts_3d": (
+        [
+            Spec((4, 12, 8), (S0, S1, S2), "3d"),
+            Spec((3, 9, 7), (S0, S1, S2), "3d"),
+            Spec((4, 12, 8), (S0, S1, S1), "3d"),
+            Spec((2, 12, 8), (S0, SS1, S1), "3d"),
+        ],
+        {},
+        WORLD8,
+    ),
+    # Three matrix-dim shards: one group of all 8 ranks.
+    "three_shards": (
+        [
+            Spec((12, 10), (S0, S1, S0), "3d"),
+            Spec((16, 8), (S0, S0, S0), "3d"),
+            Spec((9, 7), (S1, S0, S1), "3d"),
+            Spec((12, 10), (_StridedShard(0, split_factor=4), S0, S0), "3d"),
+        ],
+        {},
+        WORLD8,
+    ),
+    # 4-way dp over 2-way tp, uneven.
+    "dp4_tp2": (
+        [
+            Spec((9, 7), (S0, S1), "2d"),
+            Spec((9, 7), (SS0, S0), "2d"),
+            Spec((14, 6), (SS0, S0), "2d"),
+            Spec((5, 11), (S1, S0), "2d"),
+        ],
+        {},
+        WORLD8,
+    ),
+}
+
+
+def _register(name: str, specs: list[Spec], kwargs: dict, worlds: tuple[int, ...]) -> None:
+    @case(f"tp_{name}", worlds)
+    def run(ctx: Context) -> None:
+        check_layout(ctx, f"tp_{name}", specs, **kwargs)
+
+
+for _name, (_specs, _kwargs, _worlds) in LAYOUTS.items():
+    _register(_name, _specs, _kwargs, _worlds)
+
+
+@case("tp_chunked", WORLD4)
+def _chunked(ctx: Context) -> None:
+    """``chunks()``/``step_chunk``: the same bits and bytes as ``step()``."""
+    specs = LAYOUTS["mixed_1d_2d"][0] + LAYOUTS["partitions"][0][:2]
+    check_layout(ctx, "tp_chunked", specs, chunked=True)
+
+
+# ------------------------------------------------------------ torchtitan-style model
+
+
+class _Block(nn.Module):
+    """Attention-like projections and a SwiGLU-like feed-forward, as torchtitan names them."""
+
+    def __init__(self, dim: int, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.wq = nn.Linear(dim, heads, bias=False)
+        self.wo = nn.Linear(heads, dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.norm = nn.Parameter(torch.ones(dim))
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        # hidden 14: tp gives 7 rows each, dp's strided shard 4 and 3 (uneven).
+        self.layers = nn.ModuleList(_Block(10, 14, 12) for _ in range(3))
+
+
+TP_PLAN = {"wq": "colwise", "w1": "colwise", "w3": "colwise", "wo": "rowwise", "w2": "rowwise"}
+
+
+def _parallelize(model: _Model, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
+    """TP on ``tp_mesh`` (torchtitan's plan), then FSDP2 per block and at the root."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {n: styles[s]() for n, s in TP_PLAN.items()})
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+def check_tp_model(
+    ctx: Context, name: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh, expected: dict
+) -> None:
+    """FSDP2 over TP on a small model, random grads set on the params, vs one process."""
+    reference, sharded = _Model(), _Model()
+    _parallelize(sharded, tp_mesh, dp_mesh)
+    ref_named = dict(reference.named_parameters())
+    named = dict(sharded.named_parameters())
+    names = sorted(ref_named)
+    problems = []
+    if set(named) != set(ref_named):
+        problems.append("test setup: names differ between the two models")
+    for n in names:
+        leaf = n.split(".")[-2] if n.endswith(".weight") else n.split(".")[-1]
+        want = expected.get(TP_PLAN.get(leaf, leaf))
+        got = tuple(named[n].placements) if isinstance(named[n], DTensor) else None
+        if want is not None and got != want:
+            problems.append(f"test setup: {n} has placements {got}, expected {want}")
+    muon_names = [n for n in names if ref_named[n].ndim == 2]
+    adamw_names = [n for n in names if ref_named[n].ndim != 2]
+
+    def groups(params: dict) -> list[dict]:
+        return [
+            {"params": [params[n] for n in muon_names], "algorithm": "muon"},
+            {"params": [params[n] for n in adamw_names], "algorithm": "adamw"},
+        ]
+
+    kwargs = {"lr": 0.02, "weight_decay": 0.1, "nesterov": True}
+    ref, opt = Muon(groups(ref_named), **kwargs), Muon(groups(named), **kwargs)
+    tally: list[tuple[int, int]] = []
+    agreement = len(agreement_groups_of(muon_params(opt), False))
+    for step in range(3):
+        grads = random_tensors([tuple(ref_named[n].shape) for n in names], 40 + step)
+        for n, g in zip(names, grads):
+            ref_named[n].grad = g.clone()
+            p = named[n]
+            p.grad = distribute_tensor(g, p.device_mesh, list(p.placements), src_data_rank=None)
+        ref.step()
+        with counting_all_to_all() as calls, recording_collectives() as collectives:
+            opt.step()
+        label = f"{name} step {step + 1}"
+        problems += check_step_traffic(ctx, opt, calls, False, label, tally)
+        problems += check_orthogonalized(ctx, opt, False, label)
+        problems += check_step_collectives(collectives, agreement, step == 0, label)
+    specs = [Spec(tuple(ref_named[n].shape), None) for n in names]
+    problems += compare_states(
+        specs, opt, [named[n] for n in names], ref, [ref_named[n] for n in names], name
+    )
+    problems += check_pieces(ctx, opt, name)
+    problems += log_traffic(ctx, name, tally)
+    fail_on(problems)
+
+
+@case("tp_torchtitan_fsdp_tp", WORLD4)
+def _torchtitan(ctx: TPContext) -> None:
+    mesh = ctx.meshes["2d"]
+    expected = {
+        "colwise": (SS0, S0),
+        "rowwise": (S0, S1),
+        "norm": (S0,),  # not TP'd: FSDP2 on the dp mesh alone
+    }
+    check_tp_model(ctx, "tp_torchtitan_fsdp_tp", mesh["tp"], mesh["dp"], expected)
+
+
+@case("tp_torchtitan_dp4_tp2", WORLD8)
+def _torchtitan_dp4(ctx: TPContext) -> None:
+    mesh = ctx.meshes["2d"]
+    expected = {"colwise": (SS0, S0), "rowwise": (S0, S1), "norm": (S0,)}
+    check_tp_model(ctx, "tp_torchtitan_dp4_tp2", mesh["tp"], mesh["dp"], expected)
+
+
+@case("tp_torchtitan_hsdp_tp", WORLD8)
+def _torchtitan_hsdp(ctx: TPContext) -> None:
+    """HSDP (replicate x dp) over TP: torchtitan's 3-D layout."""
+    mesh = ctx.meshes["3d"]
+    expected = {"colwise": (R, SS0, S0), "rowwise": (R, S0, S1), "norm": (R, S0)}
+    check_tp_model(ctx, "tp_torchtitan_hsdp_tp", mesh["tp"], mesh["replicate", "dp"], expected)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+@case("tp_state_dict_round_trip", WORLD4, traffic=False)
+def _state_dict(ctx: TPContext) -> None:
+    """Two steps, ``state_dict()``, a new optimizer on copies of the params loads it, two
+    more steps: bitwise what one process gets in four."""
+    specs = [
+        Spec((12, 8), (S0, S1), "2d"),
+        Spec((9, 7), (SS0, S0), "2d"),
+        Spec((8, 12), (S1, S0), "2d"),
+        Spec((10,), (S0, R), "2d", algorithm="adamw"),
+    ]
+    kwargs = {"lr": 0.02, "weight_decay": 0.1, "nesterov": True}
+    init = random_tensors([s.shape for s in specs], 11)
+    ref_params = [nn.Parameter(t.clone()) for t in init]
+    params = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
+    ref = make_optimizer(ref_params, specs, **kwargs)
+    opt = make_optimizer(params, specs, **kwargs)
+
+    def set_grads(targets: list, step: int) -> None:
+        grads = random_tensors([s.shape for s in specs], 300 + step)
+        for s, r, p, g in zip(specs, ref_params, targets, grads):
+            r.grad = g.clone()
+            p.grad = place(ctx, s, g)
+
+    for step in range(2):
+        set_grads(params, step)
+        ref.step()
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    resumed_params = [nn.Parameter(p.detach().clone()) for p in params]
+    resumed = make_optimizer(resumed_params, specs, **kwargs)
+    resumed.load_state_dict(saved)
+    for step in range(2, 4):
+        set_grads(resumed_params, step)
+        ref.step()
+        resumed.step()
+    problems = compare_states(specs, resumed, resumed_params, ref, ref_params, "resumed")
+    momentum = resumed.state[resumed_params[0]]["momentum"]
+    if not isinstance(momentum, DTensor) or tuple(momentum.placements) != specs[0].placements:
+        problems.append(f"test setup: momentum of param 0 is {type(momentum).__name__}")
+    fail_on(problems)
