@@ -528,6 +528,7 @@ def compare_with_single(
     check_traffic: bool = True,
     check_collectives: bool = False,
     tally: list[tuple[int, int]] | None = None,
+    dtype: torch.dtype = torch.float32,
     **muon_kwargs,
 ) -> tuple[Muon, list[str]]:
     """Step a distributed Muon and the same Muon on plain tensors; everything must match.
@@ -541,10 +542,11 @@ def compare_with_single(
     ``check_collectives``: no collective in a step but the all-to-alls and, on the first
     step, the agreement check's all-reduces (one per group the placements imply).
     ``tally`` collects ``(bytes sent, minimum)`` per step (see :func:`check_step_traffic`).
+    ``dtype``: of the params and grads (both sides).
     """
     kwargs = {"lr": 0.02, "weight_decay": 0.1, "nesterov": True, **muon_kwargs}
     flatten = bool(kwargs.get("flatten", False))
-    init = random_tensors([s.shape for s in specs], seed)
+    init = [t.to(dtype) for t in random_tensors([s.shape for s in specs], seed)]
     ref_params = [nn.Parameter(t.clone()) for t in init]
     dist_params = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
     ref = make_optimizer(ref_params, specs, **kwargs)
@@ -553,6 +555,7 @@ def compare_with_single(
     problems: list[str] = []
     for step in range(steps):
         grads = random_tensors([s.shape for s in specs], seed * 1000 + step + 1)
+        grads = [g.to(dtype) for g in grads]
         for spec, r, p, g in zip(specs, ref_params, dist_params, grads):
             r.grad = g.clone() if spec.has_grad else None
             p.grad = place(ctx, spec, g) if spec.has_grad else None

@@ -105,37 +105,47 @@ def cases_for(world_size: int) -> list[str]:
 # ------------------------------------------------------------------ shared checks
 
 
-def _index_pieces(p: DTensor) -> tuple[tuple[int, int], list[int] | None, list[int] | None]:
-    """This rank's piece of ``p``'s matrices as DTensor lays it out: the local shape, and the
-    global rows and columns in local order (``None`` where the piece is empty so they cannot
-    be read). Read by distributing index tensors with ``p``'s placements (no communication)."""
-    rows, cols = p.shape[-2], p.shape[-1]
-    row_index = torch.arange(rows, dtype=torch.float64).view(rows, 1).expand(p.shape)
-    col_index = torch.arange(cols, dtype=torch.float64).view(1, cols).expand(p.shape)
-    mesh, placements = p.device_mesh, list(p.placements)
-    local_rows = local_tensor(
-        distribute_tensor(row_index.contiguous(), mesh, placements, src_data_rank=None)
-    )
-    local_cols = local_tensor(
-        distribute_tensor(col_index.contiguous(), mesh, placements, src_data_rank=None)
-    )
-    shape = (local_rows.shape[-2], local_rows.shape[-1])
-    if local_rows.numel() == 0:
-        return shape, None, None
-    local_rows = local_rows.reshape(-1, *shape)
-    local_cols = local_cols.reshape(-1, *shape)
-    return shape, local_rows[0, :, 0].long().tolist(), local_cols[0, 0, :].long().tolist()
+def flat_index(p: DTensor) -> torch.Tensor:
+    """The global flat index of every element of ``p``'s local tensor, as ``distribute_tensor``
+    (hence :func:`dist_checks.place`) lays it out: ``arange`` distributed with ``p``'s
+    placements (no communication)."""
+    index = torch.arange(p.numel(), dtype=torch.float64).view(p.shape)
+    shard = distribute_tensor(index, p.device_mesh, list(p.placements), src_data_rank=None)
+    return local_tensor(shard).long()
+
+
+def _pieces_of(
+    index: torch.Tensor, shape: tuple[int, ...]
+) -> tuple[tuple[int, int], list[int] | None, list[int] | None]:
+    """From a local flat-index tensor of a global ``shape``: the local matrix shape, and the
+    global rows and columns in local order (``None`` where the piece is empty)."""
+    rows, cols = shape[-2], shape[-1]
+    local = (index.shape[-2], index.shape[-1])
+    if index.numel() == 0:
+        return local, None, None
+    first = index.reshape(-1, *local)[0]
+    return local, ((first[:, 0] // cols) % rows).tolist(), (first[0, :] % cols).tolist()
 
 
 def _expanded(ranges) -> list[int]:
     return [i for start, stop in ranges for i in range(start, stop)]
 
 
-def check_pieces(ctx: Context, opt: Muon, label: str) -> list[str]:
+def check_pieces(
+    ctx: Context, opt: Muon, label: str, index: dict[int, torch.Tensor] | None = None
+) -> list[str]:
     """Every exchanged batch's ``layout.pieces[j]`` is what rank ``group.ranks[j]`` holds of
-    each of the batch's parameters (shape, global rows and columns). Collective."""
+    each of the batch's parameters (shape, global rows and columns). ``index``: the local
+    flat-index tensor of Muon parameter ``i`` where it is not laid out as
+    ``distribute_tensor`` does (FSDP2's own layout); default :func:`flat_index`. Collective."""
     params = muon_params(opt)
-    mine = [_index_pieces(p) if isinstance(p, DTensor) else None for p in params]
+    index = index or {}
+    mine = [
+        _pieces_of(index[i] if i in index else flat_index(p), tuple(p.shape))
+        if isinstance(p, DTensor)
+        else None
+        for i, p in enumerate(params)
+    ]
     everyone: list = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
     problems = []
@@ -291,6 +301,17 @@ LAYOUTS: dict[str, tuple[list[Spec], dict, tuple[int, ...]]] = {
         {},
         WORLD4,
     ),
+    # bf16 weights and grads, uneven local lengths on both axes.
+    "bf16_weights": (
+        [
+            Spec((9, 7), (S0, S1), "2d"),
+            Spec((9, 7), (S1, S0), "2d"),
+            Spec((14, 5), (SS0, S0), "2d"),
+            Spec((5, 13), (S1, S1), "2d"),
+        ],
+        {"dtype": torch.bfloat16},
+        WORLD4,
+    ),
     # ---- world 8
     # HSDP x TP: replicas of a dp x tp shard group.
     "hsdp_tp": (
@@ -329,11 +350,12 @@ LAYOUTS: dict[str, tuple[list[Spec], dict, tuple[int, ...]]] = {
         {},
         WORLD8,
     ),
-    # 4-way dp over 2-way tp, uneven.
+    # 4-way dp over 2-way tp, uneven. (Not 9 rows under (SS0, S0): there FSDP2's layout and
+    # distribute_tensor's differ; FSDP2's is tested in tp_torchtitan_dp4_tp2.)
     "dp4_tp2": (
         [
             Spec((9, 7), (S0, S1), "2d"),
-            Spec((9, 7), (SS0, S0), "2d"),
+            Spec((10, 7), (SS0, S0), "2d"),
             Spec((14, 6), (SS0, S0), "2d"),
             Spec((5, 11), (S1, S0), "2d"),
         ],
@@ -351,6 +373,25 @@ def _register(name: str, specs: list[Spec], kwargs: dict, worlds: tuple[int, ...
 
 for _name, (_specs, _kwargs, _worlds) in LAYOUTS.items():
     _register(_name, _specs, _kwargs, _worlds)
+
+
+@case("tp_hsdp_tp_split_replicas", WORLD8, traffic=False)
+def _hsdp_tp_split(ctx: TPContext) -> None:
+    """HSDP x TP with ``split_replicas``: each batch orthogonalized by one replica (each matrix
+    once in the world), results broadcast over the replicate dim; bitwise one process."""
+    specs = LAYOUTS["hsdp_tp"][0]
+    opt, problems = compare_with_single(ctx, specs, check_traffic=False, split_replicas=True)
+    stats = opt.last_step_stats
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, (stats.matrices_orthogonalized, stats.replica_bytes_received))
+    muon = [s for s in specs if s.algorithm == "muon"]
+    if sum(g[0] for g in gathered) != len(muon):
+        problems.append(
+            f"orthogonalized {[g[0] for g in gathered]} per rank, expected {len(muon)} in all"
+        )
+    if sum(g[1] for g in gathered) == 0:
+        problems.append("no replica bytes received: the replicas did not share the work")
+    fail_on(problems)
 
 
 @case("tp_chunked", WORLD4)
@@ -377,11 +418,10 @@ class _Block(nn.Module):
 
 
 class _Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int, hidden: int, heads: int, layers: int = 3) -> None:
         super().__init__()
         torch.manual_seed(0)
-        # hidden 14: tp gives 7 rows each, dp's strided shard 4 and 3 (uneven).
-        self.layers = nn.ModuleList(_Block(10, 14, 12) for _ in range(3))
+        self.layers = nn.ModuleList(_Block(dim, hidden, heads) for _ in range(layers))
 
 
 TP_PLAN = {"wq": "colwise", "w1": "colwise", "w3": "colwise", "wo": "rowwise", "w2": "rowwise"}
@@ -404,12 +444,37 @@ def _parallelize(model: _Model, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> Non
     fully_shard(model, mesh=dp_mesh)
 
 
+def _fsdp_index(sizes: tuple[int, int, int], tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> dict:
+    """Name -> the global flat index of every local element, as FSDP2 over TP really lays the
+    params out: a model whose every parameter holds ``arange`` (exact in float64), sharded
+    the same way. Independent of DTensor's reading of the placements."""
+    model = _Model(*sizes).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.arange(p.numel(), dtype=torch.float64).view(p.shape))
+    _parallelize(model, tp_mesh, dp_mesh)
+    return {n: local_tensor(p).detach().long() for n, p in model.named_parameters()}
+
+
 def check_tp_model(
-    ctx: Context, name: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh, expected: dict
+    ctx: Context,
+    name: str,
+    sizes: tuple[int, int, int],
+    tp_mesh: DeviceMesh,
+    dp_mesh: DeviceMesh,
+    expected: dict,
+    fsdp_differs: bool = False,
 ) -> None:
-    """FSDP2 over TP on a small model, random grads set on the params, vs one process."""
-    reference, sharded = _Model(), _Model()
+    """FSDP2 over TP on a small model, random grads set on the params, vs one process.
+
+    Grads are built from FSDP2's real layout (read from an ``arange`` model sharded the same
+    way) and the states are compared shard by shard in that layout, so the check does not
+    rely on DTensor's reading of ``_StridedShard`` (which differs from FSDP2's where sizes are
+    uneven). ``fsdp_differs``: the sizes are chosen so that on some rank FSDP2's layout of
+    some parameter is not ``distribute_tensor``'s (checked)."""
+    reference, sharded = _Model(*sizes), _Model(*sizes)
     _parallelize(sharded, tp_mesh, dp_mesh)
+    index = _fsdp_index(sizes, tp_mesh, dp_mesh)
     ref_named = dict(reference.named_parameters())
     named = dict(sharded.named_parameters())
     names = sorted(ref_named)
@@ -422,6 +487,19 @@ def check_tp_model(
         got = tuple(named[n].placements) if isinstance(named[n], DTensor) else None
         if want is not None and got != want:
             problems.append(f"test setup: {n} has placements {got}, expected {want}")
+        if tuple(index[n].shape) != tuple(local_tensor(named[n]).shape):
+            problems.append(f"test setup: {n}: the arange model's shard has another shape")
+        elif not torch.equal(local_tensor(named[n]), ref_named[n].detach().flatten()[index[n]]):
+            problems.append(f"test setup: {n}: FSDP2's shard is not where the arange model says")
+    differs = [
+        n
+        for n in names
+        if isinstance(named[n], DTensor) and not torch.equal(index[n], flat_index(named[n]))
+    ]
+    seen: list = [None] * ctx.world_size
+    dist.all_gather_object(seen, differs)
+    if fsdp_differs and not any(seen):
+        problems.append("test setup: FSDP2's layout equals distribute_tensor's everywhere")
     muon_names = [n for n in names if ref_named[n].ndim == 2]
     adamw_names = [n for n in names if ref_named[n].ndim != 2]
 
@@ -431,6 +509,13 @@ def check_tp_model(
             {"params": [params[n] for n in adamw_names], "algorithm": "adamw"},
         ]
 
+    def shard_of(n: str, full_tensor: torch.Tensor) -> DTensor:
+        p = named[n]
+        local = full_tensor.detach().flatten()[index[n]].clone()
+        return DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+
     kwargs = {"lr": 0.02, "weight_decay": 0.1, "nesterov": True}
     ref, opt = Muon(groups(ref_named), **kwargs), Muon(groups(named), **kwargs)
     tally: list[tuple[int, int]] = []
@@ -439,8 +524,7 @@ def check_tp_model(
         grads = random_tensors([tuple(ref_named[n].shape) for n in names], 40 + step)
         for n, g in zip(names, grads):
             ref_named[n].grad = g.clone()
-            p = named[n]
-            p.grad = distribute_tensor(g, p.device_mesh, list(p.placements), src_data_rank=None)
+            named[n].grad = shard_of(n, g)
         ref.step()
         with counting_all_to_all() as calls, recording_collectives() as collectives:
             opt.step()
@@ -448,31 +532,47 @@ def check_tp_model(
         problems += check_step_traffic(ctx, opt, calls, False, label, tally)
         problems += check_orthogonalized(ctx, opt, False, label)
         problems += check_step_collectives(collectives, agreement, step == 0, label)
-    specs = [Spec(tuple(ref_named[n].shape), None) for n in names]
-    problems += compare_states(
-        specs, opt, [named[n] for n in names], ref, [ref_named[n] for n in names], name
-    )
-    problems += check_pieces(ctx, opt, name)
+    for n in names:
+        p, r = named[n], ref_named[n]
+        pairs = [("param", p, r)]
+        pairs += [(k, opt.state[p][k], ref.state[r][k]) for k in ref.state[r] if k != "step"]
+        for what, got, want in pairs:
+            if not isinstance(want, torch.Tensor):
+                continue
+            got, want = local_tensor(got).detach(), want.detach().flatten()[index[n]]
+            if got.shape != want.shape or not torch.equal(got, want):
+                problems.append(f"{name}: {what} of {n} {tuple(p.placements)} differs")
+    steps = [g["step"] for g in opt.param_groups]
+    if steps != [g["step"] for g in ref.param_groups]:
+        problems.append(f"{name}: step counters {steps}")
+    position = {id(p): i for i, p in enumerate(muon_params(opt))}
+    muon_index = {position[id(named[n])]: index[n] for n in muon_names}
+    problems += check_pieces(ctx, opt, name, muon_index)
     problems += log_traffic(ctx, name, tally)
     fail_on(problems)
 
 
 @case("tp_torchtitan_fsdp_tp", WORLD4)
 def _torchtitan(ctx: TPContext) -> None:
+    """hidden 14: tp gives 7 rows each, dp's strided shard 4 and 3 (uneven)."""
     mesh = ctx.meshes["2d"]
     expected = {
         "colwise": (SS0, S0),
         "rowwise": (S0, S1),
         "norm": (S0,),  # not TP'd: FSDP2 on the dp mesh alone
     }
-    check_tp_model(ctx, "tp_torchtitan_fsdp_tp", mesh["tp"], mesh["dp"], expected)
+    check_tp_model(ctx, "tp_torchtitan_fsdp_tp", (10, 14, 12), mesh["tp"], mesh["dp"], expected)
 
 
 @case("tp_torchtitan_dp4_tp2", WORLD8)
 def _torchtitan_dp4(ctx: TPContext) -> None:
+    """hidden 9 and heads 17 on dp 4 x tp 2: tp gives 5 and 4 rows, FSDP2 then 2/2/1/0 and
+    1/1/1/1 (where DTensor's _StridedShard reading would put rows elsewhere)."""
     mesh = ctx.meshes["2d"]
     expected = {"colwise": (SS0, S0), "rowwise": (S0, S1), "norm": (S0,)}
-    check_tp_model(ctx, "tp_torchtitan_dp4_tp2", mesh["tp"], mesh["dp"], expected)
+    check_tp_model(
+        ctx, "tp_torchtitan_dp4_tp2", (10, 9, 17), mesh["tp"], mesh["dp"], expected, True
+    )
 
 
 @case("tp_torchtitan_hsdp_tp", WORLD8)
@@ -480,7 +580,9 @@ def _torchtitan_hsdp(ctx: TPContext) -> None:
     """HSDP (replicate x dp) over TP: torchtitan's 3-D layout."""
     mesh = ctx.meshes["3d"]
     expected = {"colwise": (R, SS0, S0), "rowwise": (R, S0, S1), "norm": (R, S0)}
-    check_tp_model(ctx, "tp_torchtitan_hsdp_tp", mesh["tp"], mesh["replicate", "dp"], expected)
+    check_tp_model(
+        ctx, "tp_torchtitan_hsdp_tp", (10, 14, 12), mesh["tp"], mesh["replicate", "dp"], expected
+    )
 
 
 # ------------------------------------------------------------------ checkpoints
