@@ -273,7 +273,7 @@ def test_flag_vocabulary_and_old_aliases(argv, dest, value):
         (
             ["bench", "step", "--help"],
             ["{glm-4.5-air,qwen3-30b-a3b,tiny-dense,tiny-moe,tiny-qwen3-moe}", "(default: tiny-moe)",
-             "{none,fsdp,hsdp,ep}", "(default: fsdp)", "(default: 12)", "(default: dion)",
+             "{none,fsdp,hsdp,ep,fsdp-tp}", "(default: fsdp)", "(default: 12)", "(default: dion)",
              "{sequential,abba}", "(default: sequential)"],
         ),
         (["bench", "ns", "--help"], ["(default: 5)", "{auto,cpu,cuda}", "(default: auto)"]),
@@ -281,7 +281,7 @@ def test_flag_vocabulary_and_old_aliases(argv, dest, value):
         (
             ["train", "--help"],
             ["{glm-4.5-air,qwen3-30b-a3b,tiny-dense,tiny-moe,tiny-qwen3-moe}", "(default: tiny-moe)",
-             "{muon,adamw}", "(default: 150)", "{fsdp,ep}", "on --resume: the checkpoint's"],
+             "{muon,adamw}", "(default: 150)", "{fsdp,ep,fsdp-tp}", "--mesh DPxTP", "on --resume: the checkpoint's"],
         ),
     ],
 )  # fmt: skip

@@ -12,6 +12,17 @@ Layouts (``world_size`` = number of processes):
   ``(Shard(0), Shard(1))`` (experts split over ``ep``, then rows over ``dp``); every other
   param ``Shard(0)`` over a 1-D mesh of all ranks. Built with ``distribute_tensor``: it gives
   params and grads their layout, which is all the optimizer benchmark needs (no forward).
+- ``fsdp-tp``: torchtitan's 2-D layout on a mesh ``("dp", "tp")``: tensor parallel over
+  ``tp`` (``parallelize_module``: ``ColwiseParallel`` for ``q/k/v_proj`` and the MLPs'
+  ``gate_proj``/``up_proj``, ``RowwiseParallel`` for ``o_proj``/``down_proj``; the token
+  embedding row-wise over the vocabulary and ``lm_head`` column-wise, both with replicated
+  outputs), then ``fully_shard`` per decoder layer and on the root over ``dp``. Colwise
+  weights get ``(_StridedShard(0, sf=tp), Shard(0))``, rowwise ones ``(Shard(0),
+  Shard(1))``. Expert stacks, routers and norms are left to FSDP alone (``Shard(0)`` over
+  ``dp``): every ``tp`` rank runs them on the same replicated activations, so their grads
+  agree across ``tp`` (see :func:`tensor_parallel_plan`). Attention runs on each rank's
+  local heads, so the head counts must be multiples of ``tp``. Trains exactly like one
+  process (within float tolerance); batches are split over ``dp`` only.
 
 :func:`plan_layout` checks a layout against a world size without touching
 ``torch.distributed``, so a command line can reject it before starting processes.
@@ -32,9 +43,10 @@ __all__ = [
     "apply_layout",
     "decoder_layers",
     "plan_layout",
+    "tensor_parallel_plan",
 ]
 
-LAYOUTS: tuple[str, ...] = ("none", "fsdp", "hsdp", "ep")
+LAYOUTS: tuple[str, ...] = ("none", "fsdp", "hsdp", "ep", "fsdp-tp")
 EXPERT_MESH_NAME = "ep"
 
 _MESH_DIM_NAMES: dict[str, tuple[str, ...]] = {
@@ -42,6 +54,7 @@ _MESH_DIM_NAMES: dict[str, tuple[str, ...]] = {
     "fsdp": ("dp_shard",),
     "hsdp": ("dp_replicate", "dp_shard"),
     "ep": ("ep", "dp"),
+    "fsdp-tp": ("dp", "tp"),
 }
 
 
@@ -78,6 +91,9 @@ def _default_mesh_shape(layout: str, world_size: int) -> tuple[int, ...]:
         return ()
     if layout == "fsdp":
         return (world_size,)
+    if layout == "fsdp-tp":
+        # Tensor parallel over pairs of ranks when possible (4 -> 2x2), the rest FSDP.
+        return (world_size // 2, 2) if world_size % 2 == 0 else (world_size, 1)
     if layout == "hsdp":
         # Two replicas when possible: the smallest layout that has both a replicate and a
         # shard dim; with 2 processes this is (2, 1), i.e. pure replication.
@@ -94,8 +110,9 @@ def plan_layout(
 ) -> LayoutPlan:
     """Check ``layout`` for ``world_size`` processes; fill in the default mesh shape.
 
-    ``mesh_shape`` is ``(world_size,)`` for ``fsdp``, ``(replicate, shard)`` for ``hsdp``
-    and ``(ep, dp)`` for ``ep``; its product must equal ``world_size``. Raises
+    ``mesh_shape`` is ``(world_size,)`` for ``fsdp``, ``(replicate, shard)`` for ``hsdp``,
+    ``(ep, dp)`` for ``ep`` and ``(dp, tp)`` for ``fsdp-tp``; its product must equal
+    ``world_size``. Raises
     ``ValueError`` naming what was given and what is accepted.
     """
     if layout not in LAYOUTS:
@@ -187,6 +204,11 @@ def apply_layout(
         mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
         _fully_shard(model, mesh)
         return AppliedLayout(plan, model, {"dp": mesh})
+    if layout == "fsdp-tp":
+        mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+        _tensor_parallel(model, mesh["tp"])
+        _fully_shard(model, mesh["dp"])
+        return AppliedLayout(plan, model, {"dp": mesh["dp"], "tp": mesh["tp"], "dp_tp": mesh})
     expert_mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
     dense_mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_shard",))
     _distribute_expert_parallel(model, expert_mesh, dense_mesh)
@@ -199,6 +221,77 @@ def _fully_shard(model: nn.Module, mesh) -> None:
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+# Linear layers by the last part of their name: column-wise (output features split, output
+# sharded on its last dim) or row-wise (input features split, output all-reduced).
+_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROWWISE = ("o_proj", "down_proj")
+# Per-head norms (Qwen3's q_norm/k_norm over head_dim): they see only the local heads.
+_HEAD_NORMS = ("q_norm", "k_norm")
+
+
+def tensor_parallel_plan(model: nn.Module) -> dict[str, object]:
+    """The ``parallelize_module`` plan of ``fsdp-tp``: module name -> ``ParallelStyle``.
+
+    torchtitan's plan without sequence parallel: ``q/k/v_proj`` and every MLP's
+    ``gate_proj``/``up_proj`` (the dense MLPs and shared experts; plain ``nn.Linear``)
+    ``ColwiseParallel`` and ``o_proj``/``down_proj`` ``RowwiseParallel``, so each rank
+    computes its own heads and its own slice of the MLP's hidden features and one
+    all-reduce per block restores the replicated residual stream. ``embed_tokens`` is
+    ``RowwiseParallel`` over the vocabulary and ``lm_head`` ``ColwiseParallel``, both with
+    replicated outputs (the loss sees whole logits). Qwen3's per-head ``q_norm``/``k_norm``
+    get torchtitan's ``SequenceParallel(sequence_dim=2)``: a replicated weight applied to
+    the local heads, whose grad is summed over the ``tp`` ranks.
+
+    Left out: MoE expert stacks (Hugging Face fuses gate and up into one ``[E, 2I, H]``
+    tensor whose halves are chunked in the forward: a contiguous split of dim 1 would give
+    one rank all of gate and the other all of up), routers (``[E, H]``, tiny, their logits
+    feed a top-k that must see all experts) and norms. They stay plain tensors, and every
+    ``tp`` rank computes them on the same replicated activations with the same weights, so
+    their grads are the same on every ``tp`` rank; FSDP shards and reduces them over ``dp``.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan: dict[str, object] = {}
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and leaf == "embed_tokens":
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif isinstance(module, nn.Linear) and leaf == "lm_head":
+            plan[name] = ColwiseParallel(output_layouts=Replicate())
+        elif isinstance(module, nn.Linear) and leaf in _COLWISE:
+            plan[name] = ColwiseParallel()
+        elif isinstance(module, nn.Linear) and leaf in _ROWWISE:
+            plan[name] = RowwiseParallel()
+        elif leaf in _HEAD_NORMS and getattr(module, "weight", None) is not None:
+            # Normalises each local head: input [batch, seq, heads, head_dim] sharded on
+            # the heads, weight replicated; its grad is summed over the tp ranks' heads.
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def _check_heads(model: nn.Module, tp: int) -> None:
+    config = getattr(model, "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if heads is not None and heads % tp:
+            raise ValueError(
+                f"layout 'fsdp-tp' splits attention heads over tp={tp} ranks but the model has "
+                f"{key}={heads}; choose a tp (the second --mesh dim) that divides it"
+            )
+
+
+def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    _check_heads(model, tp_mesh.size())
+    parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
 
 
 def _distribute_expert_parallel(model: nn.Module, expert_mesh, dense_mesh) -> None:

@@ -50,6 +50,11 @@ def _not_applicable(world_size: int, layout: str) -> dict[str, str]:
             "dion's Muon takes one 1-D mesh for all params; under --layout ep the expert "
             "stacks live on a 2-D mesh"
         )
+    if layout == "fsdp-tp":
+        out["dion"] = (
+            "dion's Muon takes one 1-D mesh for all params; under --layout fsdp-tp the "
+            "attention and MLP weights are sharded on a 2-D (dp, tp) mesh, on both matrix dims"
+        )
     return out
 
 
@@ -138,7 +143,8 @@ def add_parser(subparsers) -> None:
         "--mesh",
         type=str,
         default=None,
-        help="mesh shape, e.g. 2x1 (hsdp: REPLICATExSHARD, ep: EPxDP; default: from --nproc)",
+        help="mesh shape, e.g. 2x1 (hsdp: REPLICATExSHARD, ep: EPxDP, fsdp-tp: DPxTP; "
+        "default: from --nproc)",
     )
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per implementation")
     p.add_argument(

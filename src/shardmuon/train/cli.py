@@ -28,7 +28,8 @@ from shardmuon.train.resume import RESUME_FIXED, adopt_checkpoint_settings
 
 _DESCRIPTION = """\
 Supervised fine-tuning of a tiny random-init Qwen3 / Qwen3-MoE on a synthetic
-reverse-text task, with FSDP2 over N processes and DCP checkpoints
+reverse-text task, with FSDP2 over N processes (or over tensor parallel:
+--layout fsdp-tp --mesh DPxTP) and DCP checkpoints
 (docs/training.md).
 
 On --resume / --resume-dion the optimizer settings (--optimizer, --coefficients,
@@ -118,7 +119,16 @@ def add_parser(subparsers) -> None:
     train.add_argument("--max-len", type=int, default=defaults.max_len, help="longest string")
     train.add_argument("--nproc", type=int, default=defaults.nproc, help="processes (ranks)")
     train.add_argument(
-        "--layout", choices=TRAIN_LAYOUTS, default=defaults.layout, help="how params are sharded"
+        "--layout",
+        choices=TRAIN_LAYOUTS,
+        default=defaults.layout,
+        help="how params are sharded (fsdp-tp: tensor parallel over TP ranks, FSDP2 over DP)",
+    )
+    train.add_argument(
+        "--mesh",
+        metavar="DPxTP",
+        default=None,
+        help="fsdp-tp's mesh shape, e.g. 2x2 (default: TP 2 when --nproc is even)",
     )
     train.add_argument("--checkpoint-dir", metavar="PATH", default=None, help="DCP checkpoints")
     train.add_argument(
@@ -191,6 +201,15 @@ def _outputs_from_args(args: argparse.Namespace) -> tuple[str | None, str | None
     return (out, csv_out) if suffix == ".json" else (json_out, out)
 
 
+def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"bad --mesh {text!r}; accepted: DPxTP, e.g. 2x2") from None
+
+
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     json_out, csv_out = _outputs_from_args(args)
     given = {name for name in RESUME_FIXED if getattr(args, name) is not None}
@@ -204,6 +223,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         max_len=args.max_len,
         nproc=args.nproc,
         layout=args.layout,
+        mesh=_parse_mesh(args.mesh),
         offload=None if args.offload == "none" else args.offload,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,

@@ -1,9 +1,11 @@
 """SFT loop: a tiny Qwen3 / Qwen3-MoE on the reverse-text task, on 1 process or N processes
-with FSDP2 (gloo on CPU, NCCL on GPUs), with DCP checkpoints and exact resume.
+with FSDP2 (gloo on CPU, NCCL on GPUs), optionally over tensor parallel (``fsdp-tp``), with
+DCP checkpoints and exact resume.
 
-The global batch of step k is the same at every world size (see :mod:`.data`); each rank
-trains on a contiguous slice of it, and the loss is the mean over all supervised tokens of
-the global batch, so the loss curve does not depend on the world size.
+The global batch of step k is the same at every world size (see :mod:`.data`); each
+data-parallel rank trains on a contiguous slice of it (the ranks of one tensor-parallel
+group share a slice), and the loss is the mean over all supervised tokens of the global
+batch, so the loss curve does not depend on the world size or the layout.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from shardmuon.train.data import (
 from shardmuon.train.resume import recorded_settings, settings_conflicts
 
 OPTIMIZERS = ("muon", "adamw")
-TRAIN_LAYOUTS = ("fsdp", "ep")
+TRAIN_LAYOUTS = ("fsdp", "ep", "fsdp-tp")
 # The seed PR's step ranges, plus 1-10 (the convergence criterion's baseline).
 LOSS_RANGES: tuple[tuple[int, int], ...] = ((1, 10), (11, 31), (32, 62), (51, 100), (101, 150))
 EXPERT_MESH_NAME = "ep"
@@ -63,6 +65,8 @@ class TrainConfig:
     max_len: int = 8
     nproc: int = 2
     layout: str = "fsdp"
+    # fsdp-tp only: (dp, tp); None = shardmuon.parallel's default for nproc (4 -> 2x2).
+    mesh: tuple[int, ...] | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: str | None = None
@@ -74,6 +78,28 @@ class TrainConfig:
     quiet: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def _validate_mesh(self) -> None:
+        if self.layout != "fsdp-tp":
+            if self.mesh is not None:
+                raise ValueError(
+                    f"mesh {self.mesh!r} given for layout {self.layout!r}; only layout "
+                    "'fsdp-tp' takes a mesh (DPxTP)"
+                )
+            return
+        from shardmuon.models import attention_dims
+        from shardmuon.parallel import plan_layout
+
+        mesh = None if self.mesh is None else tuple(self.mesh)
+        shape = plan_layout(self.layout, self.nproc, mesh).mesh_shape
+        tp = shape[1]
+        for key, heads in attention_dims(self.model).items():
+            if key != "head_dim" and heads % tp:
+                raise ValueError(
+                    f"layout 'fsdp-tp' on mesh {shape[0]}x{tp}: tp={tp} does not divide "
+                    f"{key}={heads} of model {self.model!r} (attention heads are split over "
+                    "tp); give a --mesh DPxTP whose TP divides it"
+                )
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what is accepted."""
         from shardmuon.models import MODEL_PRESETS
@@ -84,6 +110,7 @@ class TrainConfig:
             raise ValueError(f"optimizer {self.optimizer!r} unknown; accepted: {OPTIMIZERS}")
         if self.layout not in TRAIN_LAYOUTS:
             raise ValueError(f"layout {self.layout!r} unknown; accepted: {TRAIN_LAYOUTS}")
+        self._validate_mesh()
         for name in ("steps", "batch_size", "nproc"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -177,25 +204,46 @@ def build_training_model(config: TrainConfig, tokenizer: CharTokenizer) -> nn.Mo
     )
 
 
-def shard_model(model: nn.Module, layout: str) -> str | None:
-    """Apply ``layout`` over the default process group; returns the expert mesh name or None.
+@dataclass(frozen=True)
+class TrainLayout:
+    """What :func:`shard_model` built that the loop needs.
+
+    ``data_rank`` / ``data_world``: which slice of the global batch this rank trains on, out
+    of how many (the data-parallel ranks; the ranks of a tensor-parallel group share one).
+    ``data_group``: the process group the per-slice loss sums are added over (``None``: the
+    whole world).
+    """
+
+    expert_mesh_name: str | None = None
+    data_rank: int = 0
+    data_world: int = 1
+    data_group: Any = None
+
+
+def shard_model(model: nn.Module, layout: str, mesh: tuple[int, ...] | None = None) -> TrainLayout:
+    """Apply ``layout`` over the default process group; returns what the loop needs.
 
     ``fsdp``: ``shardmuon.parallel.apply_layout(model, "fsdp")``. ``ep``: each MoE ``experts``
     module is its own FSDP unit on a mesh named ``"ep"`` (expert stacks ``Shard(0)`` over the
     expert dim, so each rank owns whole experts and Muon orthogonalizes them locally); the
     rest as ``fsdp``. The forward all-gathers the experts (no token all-to-all), which trains
-    exactly like EP while giving the optimizer EP's placements.
+    exactly like EP while giving the optimizer EP's placements. ``fsdp-tp``:
+    ``apply_layout(model, "fsdp-tp", mesh_shape=mesh)`` (tensor parallel over ``tp``, FSDP2
+    over ``dp``); the batch is split over ``dp`` only.
     """
     from shardmuon.parallel import apply_layout, decoder_layers
 
+    rank, world = dist.get_rank(), dist.get_world_size()
     if layout == "fsdp":
         apply_layout(model, "fsdp")
-        return None
+        return TrainLayout(None, rank, world)
+    if layout == "fsdp-tp":
+        dp = apply_layout(model, "fsdp-tp", mesh_shape=mesh).meshes["dp"]
+        return TrainLayout(None, dp.get_local_rank(), dp.size(), dp.get_group())
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    world = dist.get_world_size()
     expert_mesh = init_device_mesh(device, (world,), mesh_dim_names=(EXPERT_MESH_NAME,))
     dense_mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp_shard",))
     for name, module in model.named_modules():
@@ -204,7 +252,7 @@ def shard_model(model: nn.Module, layout: str) -> str | None:
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dense_mesh)
     fully_shard(model, mesh=dense_mesh)
-    return EXPERT_MESH_NAME
+    return TrainLayout(EXPERT_MESH_NAME, rank, world)
 
 
 def build_optimizer(
@@ -308,8 +356,8 @@ def train_on_rank(
     tokenizer = CharTokenizer()
     task = ReverseTextTask(config.min_len, config.max_len, config.seed)
     model = build_training_model(config, tokenizer).to(device)
-    expert_mesh_name = shard_model(model, config.layout) if world > 1 else None
-    optimizer = build_optimizer(config, model, expert_mesh_name)
+    layout = shard_model(model, config.layout, config.mesh) if world > 1 else TrainLayout()
+    optimizer = build_optimizer(config, model, layout.expert_mesh_name)
     start, history = _resume(config, model, optimizer, resume_from)
     if start >= config.steps:
         raise ValueError(f"checkpoint is at step {start}, nothing to do for steps={config.steps}")
@@ -324,16 +372,18 @@ def train_on_rank(
     for step in range(start + 1, config.steps + 1):
         batch = task.batch(step, config.batch_size, tokenizer)
         global_tokens = num_target_tokens(batch["labels"][:, 1:])
-        local = {k: v.to(device) for k, v in rank_slice(batch, rank, world).items()}
+        part = rank_slice(batch, layout.data_rank, layout.data_world)
+        local = {k: v.to(device) for k, v in part.items()}
         loss_sum = sft_loss_sum(model, local)
-        # FSDP averages gradients over ranks; scaling by world/global_tokens turns that average
-        # into the gradient of the global per-token mean, whatever the split.
-        (loss_sum * (world / global_tokens)).backward()
+        # FSDP averages gradients over the data-parallel ranks; scaling by
+        # data_world/global_tokens turns that average into the gradient of the global
+        # per-token mean, whatever the split.
+        (loss_sum * (layout.data_world / global_tokens)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         total = loss_sum.detach().to(torch.float64)
         if world > 1:
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=layout.data_group)
         losses[step] = float(total) / global_tokens
         if progress is not None:
             progress.advance(losses[step])
