@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from dist_cases import expect_raises
 from dist_checks import (
     S0,
     S1,
@@ -627,4 +628,22 @@ def _state_dict(ctx: TPContext) -> None:
     momentum = resumed.state[resumed_params[0]]["momentum"]
     if not isinstance(momentum, DTensor) or tuple(momentum.placements) != specs[0].placements:
         problems.append(f"test setup: momentum of param 0 is {type(momentum).__name__}")
+    fail_on(problems)
+
+
+@case("error_split_tensor_strided_layout", WORLD8, traffic=False)
+def _split_tensor_layout(ctx: TPContext) -> None:
+    """9 rows under (_StridedShard(0, sf=2), Shard(0)) on 4x2, laid out by distribute_tensor
+    (``_split_tensor``'s reading), not as FSDP2 would: only ranks 6 and 7 can see that from
+    their shapes. No rank may raise alone (its peers would hang): every rank raises the same
+    error at the first step, with nothing updated."""
+    mesh = ctx.mesh_for("2d")
+    full_weight = torch.randn(9, 7, generator=torch.Generator().manual_seed(3))
+    weight = nn.Parameter(distribute_tensor(full_weight, mesh, [SS0, S0], src_data_rank=None))
+    weight.grad = distribute_tensor(torch.ones(9, 7), mesh, [SS0, S0], src_data_rank=None)
+    before = local_tensor(weight).detach().clone()
+    opt = Muon([weight], lr=0.1)
+    problems = expect_raises(ValueError, ["disagree", "_StridedShard"], opt.step)
+    if not torch.equal(local_tensor(weight), before):
+        problems.append("the weight changed although the step raised")
     fail_on(problems)

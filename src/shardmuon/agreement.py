@@ -165,8 +165,10 @@ def check_agreement(
                 "they hold different parameters (shapes, placements, order), or different "
                 "settings (lr, weight_decay, mu, nesterov, epsilon, adjust_lr, update_rms, "
                 "Newton–Schulz coefficients, matrix_partitions, max_in_flight, workspace_bytes, "
-                f"split_replicas, check_grads). This rank's matrix shapes: {shapes}. Every "
-                "rank must build and configure the optimizer the same way"
+                f"split_replicas, check_grads), or local shards laid out other than their "
+                "placements say (an uneven _StridedShard made by distribute_tensor instead of "
+                f"FSDP2). This rank's matrix shapes: {shapes}. Every rank must build and "
+                "configure the optimizer the same way"
             )
         elif high_grads != -low_grads:
             errors.append(

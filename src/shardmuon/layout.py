@@ -214,7 +214,9 @@ def chunk_sizes(n: int, k: int) -> tuple[int, ...]:
     return tuple(max(0, min(step, n - j * step)) for j in range(k))
 
 
-def shard_ranges(extent: int, splits: Sequence[tuple[int, int, int]]) -> tuple[Range, ...]:
+def shard_ranges(
+    extent: int, splits: Sequence[tuple[int, int, int]], fsdp_order: bool = True
+) -> tuple[Range, ...]:
     """The global index ranges, in local order, that one rank holds of a dim of size ``extent``.
 
     ``splits``: the shards of this dim in mesh-dim order, each ``(num_chunks, coordinate,
@@ -226,9 +228,11 @@ def shard_ranges(extent: int, splits: Sequence[tuple[int, int, int]]) -> tuple[R
     left. That is what FSDP2 holds and what DTensor's ``full_tensor()`` reassembles, uneven
     sizes included (``_StridedShard._split_tensor`` agrees only when sizes divide evenly).
     Any other ``_StridedShard`` is read as ``_split_tensor`` does: ``split_factor`` parts,
-    each cut into ``num_chunks``, chunk ``coordinate`` of every part. Adjacent ranges merge.
+    each cut into ``num_chunks``, chunk ``coordinate`` of every part; ``fsdp_order=False``
+    reads every ``_StridedShard`` that way (``distribute_tensor``'s layout). Adjacent
+    ranges merge.
     """
-    ranges = _apply_shards(((0, extent),) if extent else (), list(splits))
+    ranges = _apply_shards(((0, extent),) if extent else (), list(splits), fsdp_order)
     merged: list[Range] = []
     for start, stop in ranges:
         if merged and merged[-1][1] == start:
@@ -239,18 +243,18 @@ def shard_ranges(extent: int, splits: Sequence[tuple[int, int, int]]) -> tuple[R
 
 
 def _apply_shards(
-    ranges: tuple[Range, ...], splits: list[tuple[int, int, int]]
+    ranges: tuple[Range, ...], splits: list[tuple[int, int, int]], fsdp_order: bool
 ) -> tuple[Range, ...]:
     if not splits:
         return ranges
     (num_chunks, coordinate, split_factor), later = splits[0], splits[1:]
     if split_factor == 1:
-        return _apply_shards(_chunk(ranges, num_chunks, coordinate), later)
-    if split_factor == math.prod(n for n, _, _ in later):
-        return _chunk(_apply_shards(ranges, later), num_chunks, coordinate)
+        return _apply_shards(_chunk(ranges, num_chunks, coordinate), later, fsdp_order)
+    if fsdp_order and split_factor == math.prod(n for n, _, _ in later):
+        return _chunk(_apply_shards(ranges, later, fsdp_order), num_chunks, coordinate)
     parts = [_chunk(ranges, split_factor, j) for j in range(split_factor)]
     kept = tuple(r for part in parts for r in _chunk(part, num_chunks, coordinate))
-    return _apply_shards(kept, later)
+    return _apply_shards(kept, later, fsdp_order)
 
 
 def _chunk(ranges: tuple[Range, ...], num_chunks: int, index: int) -> tuple[Range, ...]:
@@ -364,15 +368,29 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
     mesh_dims = tuple(dict.fromkeys(m for m, _, _ in shards))
     group = _shard_group(mesh, mesh_dims)
     sizes = [mesh.size(m) for m in mesh_dims]
-    pieces = []
-    for index in range(group.size):
-        coordinate = dict(zip(mesh_dims, _unravel(index, sizes)))
-        splits = [
-            [(mesh.size(m), coordinate[m], sf) for m, a, sf in shards if a == axis]
-            for axis in (0, 1)
-        ]
-        pieces.append(Piece(shard_ranges(rows, splits[0]), shard_ranges(cols, splits[1])))
+
+    def cut(fsdp_order: bool) -> tuple[Piece, ...]:
+        pieces = []
+        for index in range(group.size):
+            coordinate = dict(zip(mesh_dims, _unravel(index, sizes)))
+            splits = [
+                [(mesh.size(m), coordinate[m], sf) for m, a, sf in shards if a == axis]
+                for axis in (0, 1)
+            ]
+            row_ranges = shard_ranges(rows, splits[0], fsdp_order)
+            pieces.append(Piece(row_ranges, shard_ranges(cols, splits[1], fsdp_order)))
+        return tuple(pieces)
+
+    pieces = cut(fsdp_order=True)
     own = pieces[group.rank_index].shape
+    if own != (local_rows, local_cols) and any(sf > 1 for _, _, sf in shards):
+        # Laid out by _StridedShard._split_tensor (distribute_tensor), not by FSDP2: where
+        # the two differ only some ranks can see it. Those take the other reading, so the
+        # group's pieces disagree and the first step's agreement check raises on every
+        # rank, instead of this rank raising alone and its peers hanging.
+        other = cut(fsdp_order=False)
+        if other[group.rank_index].shape == (local_rows, local_cols):
+            pieces, own = other, (local_rows, local_cols)
     if own != (local_rows, local_cols):
         raise RuntimeError(
             f"parameter {_describe(name, param)}: local matrix shape {(local_rows, local_cols)} "
@@ -380,7 +398,7 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
             f"(rows {list(pieces[group.rank_index].rows)}, cols "
             f"{list(pieces[group.rank_index].cols)})"
         )
-    return MatrixLayout(**base, group=group, pieces=tuple(pieces))
+    return MatrixLayout(**base, group=group, pieces=pieces)
 
 
 def _unravel(index: int, sizes: Sequence[int]) -> tuple[int, ...]:
