@@ -647,3 +647,30 @@ def _split_tensor_layout(ctx: TPContext) -> None:
     if not torch.equal(local_tensor(weight), before):
         problems.append("the weight changed although the step raised")
     fail_on(problems)
+
+
+@case("local_slice_is_fsdp_layout", WORLD8, traffic=False)
+def _local_slice(ctx: TPContext) -> None:
+    """``layout.local_slice`` (what checkpoint loading keeps of a whole tensor) is exactly what
+    FSDP2 over TP holds, on 4x2 with uneven sizes and under HSDP x TP: checked against the
+    arange model's real local elements."""
+    from shardmuon.layout import local_slice
+
+    problems = []
+    for label, tp_mesh, dp_mesh in (
+        ("dp4_tp2", ctx.meshes["2d"]["tp"], ctx.meshes["2d"]["dp"]),
+        ("hsdp_tp", ctx.meshes["3d"]["tp"], ctx.meshes["3d"]["replicate", "dp"]),
+    ):
+        sizes = (10, 9, 17)
+        real = _fsdp_index(sizes, tp_mesh, dp_mesh)
+        model = _Model(*sizes).double()
+        _parallelize(model, tp_mesh, dp_mesh)
+        for name, p in model.named_parameters():
+            whole = torch.arange(p.numel(), dtype=torch.float64).view(p.shape)
+            got = local_slice(whole, p).long()
+            if not torch.equal(got, real[name]):
+                problems.append(
+                    f"{label} {name} {tuple(p.placements)}: local_slice {got.flatten().tolist()}"
+                    f" != FSDP2's {real[name].flatten().tolist()}"
+                )
+    fail_on(problems)

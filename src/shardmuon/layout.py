@@ -44,6 +44,7 @@ __all__ = [
     "Segment",
     "ShardGroup",
     "chunk_sizes",
+    "local_slice",
     "local_tensor",
     "matrix_layout",
     "plan_batches",
@@ -255,6 +256,32 @@ def _apply_shards(
     parts = [_chunk(ranges, split_factor, j) for j in range(split_factor)]
     kept = tuple(r for part in parts for r in _chunk(part, num_chunks, coordinate))
     return _apply_shards(kept, later, fsdp_order)
+
+
+def local_slice(full: Tensor, like: DTensor) -> Tensor:
+    """This rank's local tensor of ``full`` (the global tensor) laid out as ``like`` is.
+
+    Reads the placements as :func:`shard_ranges` does, so for FSDP2 over TP it is what
+    FSDP2 holds, uneven sizes included (``distribute_tensor`` would cut some of those
+    differently). ``Partial`` is not a layout of data and is refused.
+    """
+    mesh = like.device_mesh
+    coordinate = mesh.get_coordinate()
+    splits: dict[int, list[tuple[int, int, int]]] = {}
+    for mesh_dim, placement in enumerate(like.placements):
+        if isinstance(placement, Partial):
+            raise ValueError(f"local_slice: {tuple(like.placements)} has a Partial placement")
+        if isinstance(placement, Replicate) or mesh.size(mesh_dim) == 1:
+            continue
+        factor = int(placement.split_factor) if isinstance(placement, _StridedShard) else 1
+        dim = placement.dim % full.ndim
+        splits.setdefault(dim, []).append((mesh.size(mesh_dim), coordinate[mesh_dim], factor))
+    local = full
+    for dim, dim_splits in splits.items():
+        ranges = shard_ranges(full.shape[dim], dim_splits)
+        index = [i for start, stop in ranges for i in range(start, stop)]
+        local = local.index_select(dim, torch.tensor(index, dtype=torch.long, device=full.device))
+    return local.contiguous()
 
 
 def _chunk(ranges: tuple[Range, ...], num_chunks: int, index: int) -> tuple[Range, ...]:

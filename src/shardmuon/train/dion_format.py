@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from shardmuon.layout import local_slice
 from shardmuon.train.checkpoint import CheckpointError
 
 
@@ -33,12 +34,21 @@ def _full(value: Any) -> Any:
 
 def _like(full: Tensor, ref: Tensor) -> Tensor:
     """``full`` laid out like ``ref`` (the local shard when ``ref`` is a DTensor)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     full = full.to(device=ref.device, dtype=ref.dtype)
     if isinstance(ref, DTensor):
-        # Every rank holds the whole file: each keeps its slice, no scatter needed.
-        return distribute_tensor(full, ref.device_mesh, ref.placements, src_data_rank=None)
+        # Every rank holds the whole file: each keeps its slice, no scatter needed. Sliced as
+        # FSDP2 lays a tensor out (distribute_tensor cuts some uneven _StridedShards otherwise).
+        local = local_slice(full, ref)
+        return DTensor.from_local(
+            local,
+            ref.device_mesh,
+            ref.placements,
+            run_check=False,
+            shape=ref.shape,
+            stride=ref.stride(),
+        )
     return full
 
 
