@@ -238,6 +238,10 @@ def tp_runs(tmp_path_factory):
     resume = str(tmp / "TP" / f"step-{HALF:06d}")
     out["TP_resumed"] = _run(resume=resume)
     out["fsdp_resumed"] = _run(resume=resume, nproc=2, layout="fsdp")
+    # A single-process run writes a dion-format file half way; fsdp-tp resumes from it.
+    dion_file = tmp / "dion_half.pt"
+    _run(nproc=1, layout="fsdp", steps=HALF, dion_out=str(dion_file))
+    out["TP_from_dion"] = _run(resume_dion=str(dion_file))
     return out
 
 
@@ -275,6 +279,17 @@ def test_fsdp_tp_checkpoint_resumes_bitwise_and_under_fsdp(tp_runs):
     assert resharded[HALF + 1] == pytest.approx(tp[HALF + 1], rel=1e-5)
     for step, loss in resharded.items():
         assert loss == pytest.approx(tp[step], rel=BF16_LOSS_RTOL)
+
+
+@pytest.mark.slow
+def test_fsdp_tp_resumes_from_a_dion_format_file(tp_runs):
+    """Every rank keeps its FSDP2-over-TP slice of the whole tensors in the file: the first
+    step after the resume is the single-process run's forward, the rest its curve."""
+    single, resumed = tp_runs["single"], tp_runs["TP_from_dion"]
+    assert sorted(resumed) == list(range(HALF + 1, STEPS + 1))
+    assert resumed[HALF + 1] == pytest.approx(single[HALF + 1], rel=1e-5)
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(single[step], rel=BF16_LOSS_RTOL), step
 
 
 # ---------------------------------------------------------------------------- bench step
