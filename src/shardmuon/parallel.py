@@ -42,6 +42,7 @@ __all__ = [
     "LayoutPlan",
     "apply_layout",
     "decoder_layers",
+    "parse_mesh_shape",
     "plan_layout",
     "tensor_parallel_plan",
 ]
@@ -140,6 +141,17 @@ def plan_layout(
             "of the mesh shape must equal the number of processes"
         )
     return LayoutPlan(layout, world_size, mesh_shape)
+
+
+def parse_mesh_shape(text: str | None, accepted: str) -> tuple[int, ...] | None:
+    """A ``--mesh`` value such as ``2x2`` as ``(2, 2)`` (``None`` stays ``None``); a bad one
+    raises ``ValueError`` naming it and ``accepted`` (the caller's form, e.g. ``DPxTP``)."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"bad --mesh {text!r}; accepted: {accepted}") from None
 
 
 def _product(shape: tuple[int, ...]) -> int:

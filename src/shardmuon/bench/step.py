@@ -30,7 +30,7 @@ from shardmuon.bench.step_summary import draw, print_results, summarize
 from shardmuon.bench.step_worker import ORDERS, StepConfig, worker
 from shardmuon.cli_support import HelpFormatter, add_hidden_alias, check_outputs
 from shardmuon.newton_schulz import NS_PRESETS
-from shardmuon.parallel import LAYOUTS, plan_layout
+from shardmuon.parallel import LAYOUTS, parse_mesh_shape, plan_layout
 
 DEFAULT_MODEL = "tiny-moe"
 
@@ -192,17 +192,6 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        return tuple(int(d) for d in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(
-            f"bad --mesh {text!r}; accepted: dims joined by 'x', e.g. 4 or 2x2"
-        ) from None
-
-
 def _check_positive(flag: str, value: int | None, minimum: int = 1) -> None:
     if value is not None and value < minimum:
         raise ValueError(f"{flag} must be >= {minimum}, got {value}")
@@ -227,7 +216,9 @@ def run(args: argparse.Namespace) -> int:
                 f"--nproc {world} needs {world} GPUs (one per process, NCCL); this machine has "
                 f"{torch.cuda.device_count()}"
             )
-    plan = plan_layout(args.layout, world, _parse_mesh(args.mesh))
+    plan = plan_layout(
+        args.layout, world, parse_mesh_shape(args.mesh, "dims joined by 'x', e.g. 4 or 2x2")
+    )
     impls, skipped = parse_impls(args.impl, world, args.layout)
     impls = with_offload(impls, parse_offload(args.offload))
     cfg = StepConfig(

@@ -23,6 +23,7 @@ from shardmuon.cli_support import (
 )
 from shardmuon.models import MODEL_PRESETS
 from shardmuon.newton_schulz import NS_PRESETS
+from shardmuon.parallel import parse_mesh_shape
 from shardmuon.train.loop import OPTIMIZERS, TRAIN_LAYOUTS, TrainConfig, TrainResult, run_training
 from shardmuon.train.resume import RESUME_FIXED, adopt_checkpoint_settings
 
@@ -201,15 +202,6 @@ def _outputs_from_args(args: argparse.Namespace) -> tuple[str | None, str | None
     return (out, csv_out) if suffix == ".json" else (json_out, out)
 
 
-def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        return tuple(int(d) for d in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"bad --mesh {text!r}; accepted: DPxTP, e.g. 2x2") from None
-
-
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     json_out, csv_out = _outputs_from_args(args)
     given = {name for name in RESUME_FIXED if getattr(args, name) is not None}
@@ -223,7 +215,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         max_len=args.max_len,
         nproc=args.nproc,
         layout=args.layout,
-        mesh=_parse_mesh(args.mesh),
+        mesh=parse_mesh_shape(args.mesh, "DPxTP, e.g. 2x2"),
         offload=None if args.offload == "none" else args.offload,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
