@@ -313,6 +313,19 @@ LAYOUTS: dict[str, tuple[list[Spec], dict, tuple[int, ...]]] = {
         {"dtype": torch.bfloat16},
         WORLD4,
     ),
+    # State offload (host state, loaded chunk by chunk) and a small workspace budget (one
+    # batch in flight at a time) change nothing on 2-D layouts.
+    "offload_small_workspace": (
+        [
+            Spec((12, 8), (S0, S1), "2d"),
+            Spec((12, 8), (S0, S1), "2d"),
+            Spec((9, 7), (SS0, S0), "2d"),
+            Spec((8, 12), (S1, S0), "2d"),
+            Spec((10,), (S0, R), "2d", algorithm="adamw"),
+        ],
+        {"offload": "state", "offload_prefetch": 1, "workspace_bytes": 1},
+        WORLD4,
+    ),
     # ---- world 8
     # HSDP x TP: replicas of a dp x tp shard group.
     "hsdp_tp": (
