@@ -76,6 +76,8 @@ def make_context(rank: int, world_size: int) -> TPContext:
     meshes = {"1d": init_device_mesh("cpu", (world_size,))}
     if world_size == 4:
         meshes["2d"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        # Without names a mesh cannot be flattened by DeviceMesh: shardmuon makes the group.
+        meshes["2d_unnamed"] = init_device_mesh("cpu", (2, 2))
     if world_size == 8:
         meshes["2d"] = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
         meshes["3d"] = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "dp", "tp"))
@@ -324,6 +326,11 @@ LAYOUTS: dict[str, tuple[list[Spec], dict, tuple[int, ...]]] = {
             Spec((10,), (S0, R), "2d", algorithm="adamw"),
         ],
         {"offload": "state", "offload_prefetch": 1, "workspace_bytes": 1},
+        WORLD4,
+    ),
+    "unnamed_mesh": (
+        [Spec((12, 8), (S0, S1), "2d_unnamed"), Spec((9, 7), (SS0, S0), "2d_unnamed")],
+        {},
         WORLD4,
     ),
     # ---- world 8
@@ -686,4 +693,91 @@ def _local_slice(ctx: TPContext) -> None:
                     f"{label} {name} {tuple(p.placements)}: local_slice {got.flatten().tolist()}"
                     f" != FSDP2's {real[name].flatten().tolist()}"
                 )
+    fail_on(problems)
+
+
+# ------------------------------------------------------------------ groups
+
+
+def _exchange_groups(opt: Muon) -> list:
+    return [c.layout.group for c in opt.chunks() if isinstance(c, MuonBatch) and c.layout.exchanged]
+
+
+@case("flattened_group_reused", WORLD4, traffic=False)
+def _flattened_group_reused(ctx: TPContext) -> None:
+    """Two optimizers over the same dp x tp ranks share one group; once the user has
+    flattened the mesh (``mesh["dp", "tp"]._flatten()``, as torchtitan does), a new
+    optimizer exchanges over that flattened mesh's group instead of making another."""
+    spec = Spec((12, 8), (S0, S1), "2d")
+    full_weight = random_tensors([spec.shape], 5)[0]
+    groups = []
+    for _ in range(2):
+        weight = nn.Parameter(place(ctx, spec, full_weight))
+        groups += _exchange_groups(Muon([weight]))
+    problems = []
+    if len({id(g.process_group) for g in groups}) != 1:
+        problems.append("two optimizers over the same ranks made two groups")
+    flat = ctx.meshes["2d"]._flatten()
+    weight = nn.Parameter(place(ctx, spec, full_weight))
+    (group,) = set(_exchange_groups(Muon([weight])))
+    if group.process_group is not flat.get_group(0):
+        problems.append("the user's flattened mesh was not reused")
+    if group.ranks != tuple(flat.mesh.flatten().tolist()):
+        problems.append(f"group ranks {group.ranks} != the flattened mesh's")
+    fail_on(problems)
+
+
+@case("stages_without_tp_take_no_part", WORLD8, traffic=False)
+def _stages(ctx: TPContext) -> None:
+    """Like pipeline stages: on a ("pp", "dp", "tp") mesh whose stages are ranks 0, 2, 4, 6
+    and 1, 3, 5, 7 (rank sets no earlier case flattened), stage 0 holds FSDP-over-TP weights
+    and stage 1 only 1-D ones. Only stage 0 makes its dp x tp group (no rank waits for the
+    other stage), and each stage steps bitwise like one process."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardmuon import layout
+
+    ranks = torch.arange(8).view(2, 2, 2).permute(2, 0, 1).contiguous()
+    mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("pp", "dp", "tp"))
+    stage_mesh = mesh["dp", "tp"]
+    stage = mesh.get_local_rank(0)
+    stage_ranks = tuple(stage_mesh.mesh.flatten().tolist())
+    problems = []
+    if stage_ranks in layout._FLATTENED_GROUPS:
+        problems.append(f"stage ranks {stage_ranks} already have a group: the case tests nothing")
+    if stage == 0:
+        specs = [(12, 8), (9, 7)]
+        placements = [(S0, S1), (SS0, S0)]
+    else:
+        specs = [(12, 8)]
+        placements = [(S0, R)]
+    fulls = random_tensors(specs, 11)
+    grads = random_tensors(specs, 12)
+    params = [
+        nn.Parameter(distribute_tensor(f.clone(), stage_mesh, list(p), src_data_rank=None))
+        for f, p in zip(fulls, placements)
+    ]
+    for param, g, p in zip(params, grads, placements):
+        param.grad = distribute_tensor(g.clone(), stage_mesh, list(p), src_data_rank=None)
+    opt = Muon(params, lr=0.02, weight_decay=0.1)
+    opt.step()
+    refs = [nn.Parameter(f.clone()) for f in fulls]
+    for ref, g in zip(refs, grads):
+        ref.grad = g.clone()
+    Muon(refs, lr=0.02, weight_decay=0.1).step()
+    for i, (param, ref, p) in enumerate(zip(params, refs, placements)):
+        want = distribute_tensor(ref.detach(), stage_mesh, list(p), src_data_rank=None)
+        if not torch.equal(local_tensor(param), want.to_local()):
+            problems.append(f"stage {stage} param {i} {p}: not bitwise one process")
+    groups = _exchange_groups(opt)
+    sizes = sorted({g.size for g in groups})
+    if sizes != ([4] if stage == 0 else [2]):
+        problems.append(f"stage {stage}: exchange group sizes {sizes}")
+    # The world can still make groups together afterwards: stage 0's group creation left no
+    # trace that differs between the stages (torch numbers unnamed groups by a counter).
+    everyone = dist.new_group(list(range(ctx.world_size)))
+    total = torch.ones(1)
+    dist.all_reduce(total, group=everyone)
+    if total.item() != ctx.world_size:
+        problems.append(f"a group of the whole world reduced to {total.item()}")
     fail_on(problems)
