@@ -98,7 +98,9 @@ def describe(
                 "shard" if as_shard else "replica",
                 layout.rows,
                 layout.cols,
-                layout.pieces,
+                # Python's hash of ints and tuples is the same in every process; the repr
+                # of a 1024-rank group's pieces would be 50 kB per batch.
+                hash(layout.pieces),
                 batch.num_matrices,
                 batch.owners,
                 batch.partitions,
