@@ -95,7 +95,7 @@ EXPECTED_2X2 = {
     "mlp.down_proj.weight": ("Shard(dim=0)", "Shard(dim=1)"),
     "q_norm.weight": ("Shard(dim=0)", "Replicate()"),
     "k_norm.weight": ("Shard(dim=0)", "Replicate()"),
-    # FSDP only, on the 1-D dp mesh.
+    # FSDP over every rank (the flattened dp x tp mesh), on the expert dim.
     "experts.gate_up_proj": ("Shard(dim=0)",),
     "experts.down_proj": ("Shard(dim=0)",),
     "mlp.gate.weight": ("Shard(dim=0)",),
@@ -128,10 +128,14 @@ def _forward_backward(mesh: tuple[int, int]):
                 keys = [k for k in EXPECTED_2X2 if name.endswith(k)]
                 assert len(keys) == 1, (name, keys)
                 names = p.device_mesh.mesh_dim_names
+                if ".experts." in name:
+                    want_names = ("dp_tp",)
+                else:
+                    want_names = ("dp", "tp") if len(p.placements) == 2 else ("dp",)
                 if _placements(p) != EXPECTED_2X2[keys[0]]:
                     problems.append(f"{name}: {_placements(p)} on {names}")
-                elif names != (("dp", "tp") if len(p.placements) == 2 else ("dp",)):
-                    problems.append(f"{name}: mesh {names}")
+                elif names != want_names:
+                    problems.append(f"{name}: mesh {names}, expected {want_names}")
 
         gen = torch.Generator().manual_seed(11)
         ids = torch.randint(0, VOCAB, (4, 9), generator=gen)
@@ -320,7 +324,8 @@ def test_bench_step_fsdp_tp_2x2(tmp_path, capsys):
     sm = rows["shardmuon"]
     assert sm["a2a_over_minimum"] == 1.0
     assert sum(sm["bytes_sent"]) == sum(sm["bytes_minimum"]) > 0
-    # The TP-sharded matrices are orthogonalized once in the world: q, k, v, o of both
-    # layers and layer 0's gate, up, down (11). Expert stacks (8 gate_up + 8 down) and the
-    # router are FSDP-only, replicated over tp: each tp rank's dp group steps them (2 x 17).
-    assert sum(sm["matrices_orthogonalized"]) == 11 + 2 * (16 + 1)
+    # Orthogonalized once in the world: the TP-sharded q, k, v, o of both layers and layer
+    # 0's gate, up, down (11), and the expert stacks (8 gate_up + 8 down), sharded over all
+    # four ranks on the expert dim. The router is FSDP over dp only, replicated over tp:
+    # each tp rank's dp group steps it (2 x 1).
+    assert sum(sm["matrices_orthogonalized"]) == 11 + 16 + 2 * 1

@@ -18,9 +18,12 @@ Layouts (``world_size`` = number of processes):
   embedding row-wise over the vocabulary and ``lm_head`` column-wise, both with replicated
   outputs), then ``fully_shard`` per decoder layer and on the root over ``dp``. Colwise
   weights get ``(_StridedShard(0, sf=tp), Shard(0))``, rowwise ones ``(Shard(0),
-  Shard(1))``. Expert stacks, routers and norms are left to FSDP alone (``Shard(0)`` over
-  ``dp``): every ``tp`` rank runs them on the same replicated activations, so their grads
-  agree across ``tp`` (see :func:`tensor_parallel_plan`). Attention runs on each rank's
+  Shard(1))``. Expert stacks are not tensor parallel (see :func:`tensor_parallel_plan`):
+  each ``experts`` module is its own FSDP2 unit over all ``dp x tp`` ranks (the flattened
+  mesh ``dp_tp``), ``Shard(0)`` on the expert dim, so no two ranks hold or orthogonalize
+  the same expert; every ``tp`` rank runs the experts on the same replicated activations,
+  and averaging their (equal) grads over ``tp`` as well as ``dp`` gives FSDP-over-``dp``'s
+  grad. Routers and norms are FSDP over ``dp`` alone (replicated over ``tp``). Attention runs on each rank's
   local heads, so the head counts must be multiples of ``tp``. Trains exactly like one
   process (within float tolerance); batches are split over ``dp`` only.
 
@@ -42,6 +45,7 @@ __all__ = [
     "LayoutPlan",
     "apply_layout",
     "decoder_layers",
+    "expert_modules",
     "parse_mesh_shape",
     "plan_layout",
     "tensor_parallel_plan",
@@ -219,8 +223,14 @@ def apply_layout(
     if layout == "fsdp-tp":
         mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
         _tensor_parallel(model, mesh["tp"])
+        # Experts are not split over tp (see tensor_parallel_plan) but over every rank, on
+        # the expert dim: no tp rank repeats another's experts, in memory or in Muon.
+        experts_mesh = mesh._flatten("dp_tp")
+        for experts in expert_modules(model):
+            _fully_shard_unit(experts, experts_mesh)
         _fully_shard(model, mesh["dp"])
-        return AppliedLayout(plan, model, {"dp": mesh["dp"], "tp": mesh["tp"], "dp_tp": mesh})
+        meshes = {"dp": mesh["dp"], "tp": mesh["tp"], "dp_tp": mesh, "experts": experts_mesh}
+        return AppliedLayout(plan, model, meshes)
     expert_mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
     dense_mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_shard",))
     _distribute_expert_parallel(model, expert_mesh, dense_mesh)
@@ -228,11 +238,24 @@ def apply_layout(
 
 
 def _fully_shard(model: nn.Module, mesh) -> None:
+    for layer in decoder_layers(model):
+        _fully_shard_unit(layer, mesh)
+    _fully_shard_unit(model, mesh)
+
+
+def _fully_shard_unit(module: nn.Module, mesh) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The MoE ``experts`` modules (those holding 3-D ``[E, out, in]`` stacks)."""
+    return [
+        module
+        for name, module in model.named_modules()
+        if name.endswith("experts") and any(p.dim() == 3 for p in module.parameters())
+    ]
 
 
 # Linear layers by the last part of their name: column-wise (output features split, output
@@ -261,7 +284,8 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, object]:
     one rank all of gate and the other all of up), routers (``[E, H]``, tiny, their logits
     feed a top-k that must see all experts) and norms. They stay plain tensors, and every
     ``tp`` rank computes them on the same replicated activations with the same weights, so
-    their grads are the same on every ``tp`` rank; FSDP shards and reduces them over ``dp``.
+    their grads are the same on every ``tp`` rank; FSDP shards and reduces them (experts
+    over all ``dp x tp`` ranks, the rest over ``dp``: see :func:`apply_layout`).
     """
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (

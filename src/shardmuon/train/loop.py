@@ -231,7 +231,7 @@ def shard_model(model: nn.Module, layout: str, mesh: tuple[int, ...] | None = No
     ``apply_layout(model, "fsdp-tp", mesh_shape=mesh)`` (tensor parallel over ``tp``, FSDP2
     over ``dp``); the batch is split over ``dp`` only.
     """
-    from shardmuon.parallel import apply_layout, decoder_layers
+    from shardmuon.parallel import apply_layout, decoder_layers, expert_modules
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if layout == "fsdp":
@@ -246,9 +246,8 @@ def shard_model(model: nn.Module, layout: str, mesh: tuple[int, ...] | None = No
     device = "cuda" if torch.cuda.is_available() else "cpu"
     expert_mesh = init_device_mesh(device, (world,), mesh_dim_names=(EXPERT_MESH_NAME,))
     dense_mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp_shard",))
-    for name, module in model.named_modules():
-        if name.endswith("experts") and any(p.dim() == 3 for p in module.parameters()):
-            fully_shard(module, mesh=expert_mesh)
+    for module in expert_modules(model):
+        fully_shard(module, mesh=expert_mesh)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dense_mesh)
     fully_shard(model, mesh=dense_mesh)
