@@ -781,3 +781,25 @@ def _stages(ctx: TPContext) -> None:
     if total.item() != ctx.world_size:
         problems.append(f"a group of the whole world reduced to {total.item()}")
     fail_on(problems)
+
+
+@case("error_ranks_disagree_on_pieces", WORLD4, traffic=False)
+def _disagree_on_pieces(ctx: TPContext) -> None:
+    """Rank 0 places a 12x8 weight as (Shard(1), Shard(0)), the others as (Shard(0),
+    Shard(1)): the same group, the same 6x4 local shape, different pieces. Exchanging would
+    assemble a wrong matrix without any error; every rank must raise at the first step
+    instead, with the weight untouched."""
+    mesh = ctx.mesh_for("2d")
+    placements = [S1, S0] if ctx.rank == 0 else [S0, S1]
+    full_weight = random_tensors([(12, 8)], 21)[0]
+    weight = nn.Parameter(distribute_tensor(full_weight, mesh, placements, src_data_rank=None))
+    weight.grad = distribute_tensor(torch.ones(12, 8), mesh, placements, src_data_rank=None)
+    problems = []
+    if tuple(local_tensor(weight).shape) != (6, 4):
+        problems.append(f"setup: local shape {tuple(local_tensor(weight).shape)}")
+    before = local_tensor(weight).detach().clone()
+    opt = Muon([weight], lr=0.1)
+    problems += expect_raises(ValueError, ["disagree"], opt.step)
+    if not torch.equal(local_tensor(weight), before):
+        problems.append("the weight changed although the step raised")
+    fail_on(problems)
