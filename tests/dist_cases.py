@@ -53,7 +53,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
 from shardmuon import Muon, newton_schulz
-from shardmuon.layout import MuonBatch, local_tensor
+from shardmuon.layout import MuonBatch
+from shardmuon.placements import local_tensor
 
 # ------------------------------------------------------- hand-built layouts
 

@@ -27,10 +27,11 @@ from shardmuon.bench.plan import (
 )
 from shardmuon.bench.report import TABLE_WIDTH
 from shardmuon.cli import main
-from shardmuon.layout import local_tensor, newton_schulz_cost
+from shardmuon.layout import newton_schulz_cost
 from shardmuon.models import param_shapes
 from shardmuon.newton_schulz import NS_PRESETS
 from shardmuon.parallel import LAYOUTS, apply_layout, plan_layout
+from shardmuon.placements import local_tensor
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # A small tiny-moe: layer 0 dense, layer 1 MoE (8 experts, gate_up partitioned).

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardmuon.layout import MuonBatch, ShardGroup
+from shardmuon.layout import MuonBatch
+from shardmuon.placements import ShardGroup
 
 __all__ = ["AgreementSettings", "agreement_groups", "check_agreement"]
 

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from shardmuon.agreement import AgreementSettings, agreement_groups, check_agreement
 from shardmuon.exchange import warmup_groups
-from shardmuon.layout import MuonBatch, Segment, ShardGroup, batch_key, local_tensor
+from shardmuon.layout import MuonBatch, Segment, batch_key
 from shardmuon.newton_schulz import (
     newton_schulz,
     newton_schulz_compiled,
@@ -42,6 +42,7 @@ from shardmuon.pipeline import (
     step_adamw,
     step_batch,
 )
+from shardmuon.placements import ShardGroup, local_tensor
 from shardmuon.plan import AdamWChunk, ChunkInfo, Plan, build_plan, plan_settings, setting_float
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.telemetry import StepStats

@@ -30,10 +30,11 @@ from torch import Tensor
 
 from shardmuon.adamw import adamw_temp_bytes, adamw_update_
 from shardmuon.exchange import BatchExchange
-from shardmuon.layout import MuonBatch, Segment, local_tensor
+from shardmuon.layout import MuonBatch, Segment
 from shardmuon.newton_schulz import newton_schulz
 from shardmuon.offload import StateStager
 from shardmuon.partitions import orthogonalize_blocks
+from shardmuon.placements import local_tensor
 from shardmuon.plan import AdamWChunk, Plan, setting_float
 from shardmuon.telemetry import StepStats
 from shardmuon.update import direction, momentum_update_, weight_update_

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardmuon.layout import local_tensor
+from shardmuon.placements import local_tensor
 
 __all__ = ["StepMemory", "live_bytes", "measure_cpu_step", "peak_of_events"]
 

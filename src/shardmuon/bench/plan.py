@@ -57,17 +57,11 @@ from shardmuon.bench.report import fmt, new_progress, print_table, write_outputs
 from shardmuon.bench.volume import padded_scheme_bytes
 from shardmuon.cli_support import HelpFormatter, check_outputs, note
 from shardmuon.exchange import BatchExchange
-from shardmuon.layout import (
-    MatrixLayout,
-    MuonBatch,
-    ShardGroup,
-    chunk_sizes,
-    local_tensor,
-    newton_schulz_cost,
-)
+from shardmuon.layout import MuonBatch, newton_schulz_cost
 from shardmuon.models import model_config
 from shardmuon.newton_schulz import NS_PRESETS
 from shardmuon.parallel import LAYOUTS, LayoutPlan, apply_layout, plan_layout
+from shardmuon.placements import MatrixLayout, ShardGroup, chunk_sizes, local_tensor
 from shardmuon.telemetry import StepStats
 from shardmuon.workspace import workspace_peak_bytes
 

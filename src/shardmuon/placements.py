@@ -1,0 +1,453 @@
+"""Reading DTensor placements: which piece of each matrix every rank holds, and over which group.
+
+Computed once per parameter, from the parameter alone (no mesh is passed in):
+
+* A plain tensor, or a DTensor whose matrix dims are whole on this rank (replicated, or
+  sharded only on batch dims such as the expert dim of a ``[E, out, in]`` stack under
+  expert parallelism), is **local**.
+* A DTensor sharded on its matrix dims (the last two) over one or more mesh dims is
+  **exchanged** over the process group of those mesh dims, flattened (FSDP2's ``Shard(0)``
+  over one dim; FSDP2 over tensor parallel, ``(_StridedShard(0, sf), Shard(0))`` or
+  ``(Shard(0), Shard(1))``, over two). Other mesh dims (HSDP's ``Replicate``, an expert
+  ``Shard(0)``) only select which group a rank belongs to.
+
+Every rank of a group computes every other rank's **piece** of a matrix from the placements
+alone (:func:`shard_ranges`: ``Shard`` is ``torch.chunk``; ``_StridedShard`` is read as
+FSDP2 lays it out): the global rows and columns it holds, as ranges in its local order.
+Pieces are exact (uneven and empty ones included), so nothing is padded. This is the only
+module that reads ``placements``; :mod:`shardmuon.layout` plans batches from its results.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
+
+__all__ = [
+    "MatrixLayout",
+    "Piece",
+    "ShardGroup",
+    "chunk_sizes",
+    "group_pieces",
+    "local_slice",
+    "local_tensor",
+    "matrix_layout",
+    "shard_ranges",
+]
+
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """The process group a matrix is exchanged (or replicated) over, identified by its global
+    ranks (not by identity); several mesh dims flattened, in row-major order, when the
+    matrix is sharded over several."""
+
+    ranks: tuple[int, ...]
+    rank_index: int
+    process_group: dist.ProcessGroup = field(compare=False, hash=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one rank holds of a ``[rows, cols]`` matrix: the global rows and columns, as
+    ``(start, stop)`` ranges in its local order (a strided shard holds several)."""
+
+    rows: tuple[Range, ...]
+    cols: tuple[Range, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return _extent(self.rows), _extent(self.cols)
+
+    @property
+    def numel(self) -> int:
+        rows, cols = self.shape
+        return rows * cols
+
+    def blocks(self) -> list[tuple[Range, Range, Range, Range]]:
+        """``(global_rows, global_cols, local_rows, local_cols)`` of each contiguous block."""
+        out = []
+        local_row = 0
+        for r0, r1 in self.rows:
+            local_col = 0
+            for c0, c1 in self.cols:
+                out.append(
+                    (
+                        (r0, r1),
+                        (c0, c1),
+                        (local_row, local_row + r1 - r0),
+                        (local_col, local_col + c1 - c0),
+                    )
+                )
+                local_col += c1 - c0
+            local_row += r1 - r0
+        return out
+
+
+def _extent(ranges: tuple[Range, ...]) -> int:
+    return sum(stop - start for start, stop in ranges)
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """How one parameter's matrices lie on this rank.
+
+    ``rows``/``cols``: the global matrix dims (after ``flatten``); ``local_rows``/``local_cols``
+    and ``num_matrices``: this rank's shard, seen as ``[num_matrices, local_rows, local_cols]``.
+    For exchanged params ``group`` is the group of ranks holding pieces of the same matrices
+    and ``pieces[j]`` is rank index ``j``'s piece (the same on every rank of the group);
+    local params have neither. ``replicas`` is the group along the one ``Replicate`` mesh
+    dim of size > 1 (HSDP's replicate dim), if any: ranks that hold identical shards.
+    """
+
+    rows: int
+    cols: int
+    num_matrices: int
+    local_rows: int
+    local_cols: int
+    flatten: bool
+    group: ShardGroup | None = None
+    pieces: tuple[Piece, ...] = ()
+    replicas: ShardGroup | None = None
+
+    @property
+    def exchanged(self) -> bool:
+        return self.group is not None
+
+    @property
+    def local_piece(self) -> Piece:
+        """This rank's piece of each of its matrices (the whole matrix when local)."""
+        if self.group is None:
+            return Piece(((0, self.rows),), ((0, self.cols),))
+        return self.pieces[self.group.rank_index]
+
+    @property
+    def rows_in_rank_order(self) -> bool:
+        """Whether the pieces, laid end to end in rank order, are the matrix itself: each
+        holds whole rows of one range, ascending (FSDP's ``Shard(0)``). The owner's receive
+        buffer is then the matrix, and its result the return's send buffer."""
+        start = 0
+        for piece in self.pieces:
+            if piece.numel == 0:
+                continue
+            if len(piece.rows) != 1 or piece.cols != ((0, self.cols),):
+                return False
+            if piece.rows[0][0] != start:
+                return False
+            start = piece.rows[0][1]
+        return start == self.rows
+
+    def piece_numel(self, rank_index: int) -> int:
+        """Elements of rank ``rank_index``'s piece of one matrix."""
+        return self.pieces[rank_index].numel
+
+    def piece_shape(self, rank_index: int) -> tuple[int, int]:
+        return self.pieces[rank_index].shape
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's local tensor of a DTensor; a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def chunk_sizes(n: int, k: int) -> tuple[int, ...]:
+    """Sizes of ``Shard`` chunks of ``n`` over ``k`` ranks (``torch.chunk``: ceil(n/k) each)."""
+    step = -(-n // k) if n else 0
+    return tuple(max(0, min(step, n - j * step)) for j in range(k))
+
+
+def shard_ranges(
+    extent: int, splits: Sequence[tuple[int, int, int]], fsdp_order: bool = True
+) -> tuple[Range, ...]:
+    """The global index ranges, in local order, that one rank holds of a dim of size ``extent``.
+
+    ``splits``: the shards of this dim in mesh-dim order, each ``(num_chunks, coordinate,
+    split_factor)``. ``Shard`` (``split_factor == 1``) keeps chunk ``coordinate`` of
+    ``torch.chunk`` (ceil-sized chunks, the last ones shorter or empty) of what the shards
+    before it left. A ``_StridedShard`` whose ``split_factor`` is the product of the chunk
+    counts of the later shards of this dim records a shard made *after* them (FSDP2
+    sharding a tensor-parallel weight): they are applied first, then it chunks what they
+    left. That is what FSDP2 holds and what DTensor's ``full_tensor()`` reassembles, uneven
+    sizes included (``_StridedShard._split_tensor`` agrees only when sizes divide evenly).
+    Any other ``_StridedShard`` is read as ``_split_tensor`` does: ``split_factor`` parts,
+    each cut into ``num_chunks``, chunk ``coordinate`` of every part; ``fsdp_order=False``
+    reads every ``_StridedShard`` that way (``distribute_tensor``'s layout). Adjacent
+    ranges merge.
+    """
+    ranges = _apply_shards(((0, extent),) if extent else (), list(splits), fsdp_order)
+    merged: list[Range] = []
+    for start, stop in ranges:
+        if merged and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], stop)
+        else:
+            merged.append((start, stop))
+    return tuple(merged)
+
+
+def _apply_shards(
+    ranges: tuple[Range, ...], splits: list[tuple[int, int, int]], fsdp_order: bool
+) -> tuple[Range, ...]:
+    if not splits:
+        return ranges
+    (num_chunks, coordinate, split_factor), later = splits[0], splits[1:]
+    if split_factor == 1:
+        return _apply_shards(_chunk(ranges, num_chunks, coordinate), later, fsdp_order)
+    if fsdp_order and split_factor == math.prod(n for n, _, _ in later):
+        return _chunk(_apply_shards(ranges, later, fsdp_order), num_chunks, coordinate)
+    parts = [_chunk(ranges, split_factor, j) for j in range(split_factor)]
+    kept = tuple(r for part in parts for r in _chunk(part, num_chunks, coordinate))
+    return _apply_shards(kept, later, fsdp_order)
+
+
+def local_slice(full: Tensor, like: DTensor) -> Tensor:
+    """This rank's local tensor of ``full`` (the global tensor) laid out as ``like`` is.
+
+    Reads the placements as :func:`shard_ranges` does, so for FSDP2 over TP it is what
+    FSDP2 holds, uneven sizes included (``distribute_tensor`` would cut some of those
+    differently). ``Partial`` is not a layout of data and is refused.
+    """
+    mesh = like.device_mesh
+    coordinate = mesh.get_coordinate()
+    splits: dict[int, list[tuple[int, int, int]]] = {}
+    for mesh_dim, placement in enumerate(like.placements):
+        if isinstance(placement, Partial):
+            raise ValueError(f"local_slice: {tuple(like.placements)} has a Partial placement")
+        if isinstance(placement, Replicate) or mesh.size(mesh_dim) == 1:
+            continue
+        factor = int(placement.split_factor) if isinstance(placement, _StridedShard) else 1
+        dim = placement.dim % full.ndim
+        splits.setdefault(dim, []).append((mesh.size(mesh_dim), coordinate[mesh_dim], factor))
+    local = full
+    for dim, dim_splits in splits.items():
+        ranges = shard_ranges(full.shape[dim], dim_splits)
+        index = [i for start, stop in ranges for i in range(start, stop)]
+        local = local.index_select(dim, torch.tensor(index, dtype=torch.long, device=full.device))
+    return local.contiguous()
+
+
+def _chunk(ranges: tuple[Range, ...], num_chunks: int, index: int) -> tuple[Range, ...]:
+    """Chunk ``index`` of ``num_chunks`` (``torch.chunk``) of the positions ``ranges`` list."""
+    length = _extent(ranges)
+    size = -(-length // num_chunks)
+    first, last = index * size, min((index + 1) * size, length)
+    out = []
+    position = 0
+    for start, stop in ranges:
+        lo = max(first, position)
+        hi = min(last, position + stop - start)
+        if hi > lo:
+            out.append((start + lo - position, start + hi - position))
+        position += stop - start
+    return tuple(out)
+
+
+def _describe(name: str, param: DTensor) -> str:
+    return f"{name} (global shape {tuple(param.shape)}, placements {tuple(param.placements)})"
+
+
+def _matrix_dims(ndim: int, flatten: bool) -> tuple[int, ...]:
+    """Tensor dims that belong to the matrix: the last two, or all of them with ``flatten``."""
+    return tuple(range(ndim)) if flatten else (ndim - 2, ndim - 1)
+
+
+def _global_matrix(shape: torch.Size, flatten: bool) -> tuple[int, int]:
+    if flatten:
+        return shape[0], math.prod(shape[1:])
+    return shape[-2], shape[-1]
+
+
+def _local_view_shape(shape: torch.Size, flatten: bool) -> tuple[int, int, int]:
+    if flatten:
+        return 1, shape[0], math.prod(shape[1:])
+    return math.prod(shape[:-2]), shape[-2], shape[-1]
+
+
+def _split_factor(name: str, param: DTensor, placement: Placement) -> int:
+    """1 for ``Shard``, ``sf`` for ``_StridedShard``; other shard kinds are refused."""
+    if type(placement) is Shard:
+        return 1
+    if isinstance(placement, _StridedShard):
+        return int(placement.split_factor)
+    raise NotImplementedError(
+        f"parameter {_describe(name, param)}: {placement} on a matrix dim is not supported; "
+        "accepted on matrix dims: Shard and _StridedShard"
+    )
+
+
+def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
+    """Read one Muon parameter's layout from its placements (plain tensors are local).
+
+    Raises ``NotImplementedError`` for shard kinds other than ``Shard``/``_StridedShard`` on
+    a matrix dim (or, with ``flatten``, a shard on a dim other than 0), ``ValueError`` for
+    ``Partial`` placements, and ``RuntimeError`` when the local tensor is not the piece the
+    placements describe.
+    """
+    if isinstance(param, DTensor) and param.device_mesh.get_coordinate() is None:
+        mesh = param.device_mesh
+        raise ValueError(
+            f"parameter {_describe(name, param)} lives on a device mesh of ranks "
+            f"{mesh.mesh.flatten().tolist()} that does not include this rank "
+            f"({dist.get_rank()}); give the optimizer only the parameters this rank holds"
+        )
+    rows, cols = _global_matrix(param.shape, flatten)
+    local = local_tensor(param)
+    num, local_rows, local_cols = _local_view_shape(local.shape, flatten)
+    base = dict(
+        rows=rows,
+        cols=cols,
+        num_matrices=num,
+        local_rows=local_rows,
+        local_cols=local_cols,
+        flatten=flatten,
+    )
+    if not isinstance(param, DTensor):
+        return MatrixLayout(**base)
+    mesh = param.device_mesh
+    matrix_dims = _matrix_dims(param.ndim, flatten)
+    row_dim = 0 if flatten else param.ndim - 2
+    # (mesh dim, matrix axis, split factor) of every shard of a matrix dim, in mesh order.
+    shards: list[tuple[int, int, int]] = []
+    replicate_dims = []
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Partial):
+            raise ValueError(
+                f"parameter {_describe(name, param)} has a Partial placement; parameters must "
+                "be Replicate or Shard"
+            )
+        if mesh.size(mesh_dim) == 1:
+            continue
+        if isinstance(placement, Replicate):
+            replicate_dims.append(mesh_dim)
+            continue
+        dim = placement.dim % param.ndim
+        if dim not in matrix_dims:
+            continue
+        if flatten and dim != 0:
+            raise NotImplementedError(
+                f"parameter {_describe(name, param)}: with flatten=True only shards of dim 0 "
+                "(the rows of the flattened matrix) are supported"
+            )
+        axis = 0 if dim == row_dim else 1
+        shards.append((mesh_dim, axis, _split_factor(name, param, placement)))
+    if len(replicate_dims) == 1:
+        base["replicas"] = _mesh_group(mesh, replicate_dims[0])
+    if not shards:
+        return MatrixLayout(**base)
+    group = _shard_group(mesh, tuple(m for m, _, _ in shards))
+    # One mesh dim holds one placement: each shard is its own dim of the group's grid.
+    spec = tuple((mesh.size(m), axis, sf) for m, axis, sf in shards)
+    pieces = group_pieces(rows, cols, spec)
+    own = pieces[group.rank_index].shape
+    if own != (local_rows, local_cols) and any(sf > 1 for _, _, sf in shards):
+        # Laid out by _StridedShard._split_tensor (distribute_tensor), not by FSDP2: where
+        # the two differ only some ranks can see it. Those take the other reading, so the
+        # group's pieces disagree and the first step's agreement check raises on every
+        # rank, instead of this rank raising alone and its peers hanging.
+        other = group_pieces(rows, cols, spec, fsdp_order=False)
+        if other[group.rank_index].shape == (local_rows, local_cols):
+            pieces, own = other, (local_rows, local_cols)
+    if own != (local_rows, local_cols):
+        raise RuntimeError(
+            f"parameter {_describe(name, param)}: local matrix shape {(local_rows, local_cols)} "
+            f"on rank {dist.get_rank()} differs from the piece {own} its placements give "
+            f"(rows {list(pieces[group.rank_index].rows)}, cols "
+            f"{list(pieces[group.rank_index].cols)})"
+        )
+    return MatrixLayout(**base, group=group, pieces=pieces)
+
+
+@functools.lru_cache(maxsize=4096)
+def group_pieces(
+    rows: int, cols: int, spec: tuple[tuple[int, int, int], ...], fsdp_order: bool = True
+) -> tuple[Piece, ...]:
+    """Every rank's piece of a ``[rows, cols]`` matrix, by rank index in the flattened group.
+
+    ``spec``: the matrix-dim shards in mesh-dim order, each ``(mesh dim size, axis,
+    split_factor)`` with axis 0 for rows and 1 for columns; rank index ``j`` is the
+    row-major position of its coordinates on those mesh dims. Pure and cached (parameters
+    of one shape and layout share the result; a group of 1024 ranks takes milliseconds).
+    """
+    sizes = [size for size, _, _ in spec]
+    pieces = []
+    for index in range(math.prod(sizes)):
+        coordinate = _unravel(index, sizes)
+        splits = [
+            [(size, c, sf) for (size, a, sf), c in zip(spec, coordinate) if a == axis]
+            for axis in (0, 1)
+        ]
+        row_ranges = shard_ranges(rows, splits[0], fsdp_order)
+        pieces.append(Piece(row_ranges, shard_ranges(cols, splits[1], fsdp_order)))
+    return tuple(pieces)
+
+
+def _unravel(index: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    """Row-major coordinates of ``index`` in a grid of ``sizes``."""
+    coordinate = []
+    for size in reversed(sizes):
+        index, c = divmod(index, size)
+        coordinate.append(c)
+    return tuple(reversed(coordinate))
+
+
+def _mesh_group(mesh, mesh_dim: int) -> ShardGroup:
+    """The process group along ``mesh_dim`` that holds this rank."""
+    process_group = mesh.get_group(mesh_dim)
+    return ShardGroup(
+        ranks=tuple(dist.get_process_group_ranks(process_group)),
+        rank_index=mesh.get_local_rank(mesh_dim),
+        process_group=process_group,
+    )
+
+
+# Groups this module created over flattened mesh dims, by their global ranks.
+_FLATTENED_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _shard_group(mesh, mesh_dims: tuple[int, ...]) -> ShardGroup:
+    """The group over ``mesh_dims`` (flattened row-major; the other dims at this rank's
+    coordinate) that holds this rank.
+
+    One mesh dim: its own group. Several: a flattened mesh of the same ranks the user made
+    (``mesh[...]._flatten()``) if there is one, else a group of exactly these ranks, made
+    once, by these ranks only (``use_local_synchronization``: ranks that hold no such
+    matrix, such as other pipeline stages, need not take part).
+    """
+    if len(mesh_dims) == 1:
+        return _mesh_group(mesh, mesh_dims[0])
+    coordinate = mesh.get_coordinate()
+    index = tuple(slice(None) if d in mesh_dims else c for d, c in enumerate(coordinate))
+    ranks = tuple(mesh.mesh[index].flatten().tolist())
+    process_group = _existing_flattened_group(mesh, ranks)
+    if process_group is None:
+        process_group = _FLATTENED_GROUPS.get(ranks)
+    if process_group is None:
+        process_group = dist.new_group(list(ranks), use_local_synchronization=True)
+        _FLATTENED_GROUPS[ranks] = process_group
+    return ShardGroup(ranks, ranks.index(dist.get_rank()), process_group)
+
+
+def _existing_flattened_group(mesh, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """The group of a flattened 1-D mesh over exactly ``ranks``, in order, if one was made."""
+    try:
+        flattened = mesh._get_root_mesh()._flatten_mapping.values()
+    except AttributeError:  # a DeviceMesh without flattening support
+        return None
+    for flat in flattened:
+        if tuple(flat.mesh.flatten().tolist()) == ranks:
+            return flat.get_group(0)
+    return None
