@@ -20,6 +20,7 @@ owner's receive buffer is the whole matrix and its result is the return's send b
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -123,10 +124,8 @@ class BatchExchange:
         if layout.rows_in_rank_order:
             return recv.view(layout.rows, layout.cols)
         matrix = recv.new_empty(layout.rows, layout.cols)
-        for piece, flat in zip(layout.pieces, recv.split(self._piece_splits())):
-            local = flat.view(piece.shape)
-            for (r0, r1), (c0, c1), (lr0, lr1), (lc0, lc1) in piece.blocks():
-                matrix[r0:r1, c0:c1] = local[lr0:lr1, lc0:lc1]
+        for where, block in _piece_blocks(layout, recv, self._piece_splits()):
+            matrix[where] = block
         return matrix
 
     def start_return(self, result: Tensor | None) -> None:
@@ -138,10 +137,8 @@ class BatchExchange:
             send = result.reshape(-1)  # row pieces in rank order: the matrix itself
         else:
             send = result.new_empty(layout.rows * layout.cols)
-            for piece, flat in zip(layout.pieces, send.split(self._piece_splits())):
-                local = flat.view(piece.shape)
-                for (r0, r1), (c0, c1), (lr0, lr1), (lc0, lc1) in piece.blocks():
-                    local[lr0:lr1, lc0:lc1] = result[r0:r1, c0:c1]
+            for where, block in _piece_blocks(layout, send, self._piece_splits()):
+                block.copy_(result[where])
         self._launch(send, self._piece_splits(), self._own_piece_splits())
 
     def finish_return(self) -> Tensor:
@@ -151,6 +148,17 @@ class BatchExchange:
         self._work = None
         recv, self._recv = self._recv, None
         return recv
+
+
+def _piece_blocks(
+    layout: MatrixLayout, buffer: Tensor, splits: list[int]
+) -> Iterator[tuple[tuple[slice, slice], Tensor]]:
+    """Every block of every piece: where it lies in the whole matrix, and its view in
+    ``buffer`` (the pieces end to end in rank order, ``splits`` elements each)."""
+    for piece, flat in zip(layout.pieces, buffer.split(splits)):
+        local = flat.view(piece.shape)
+        for (r0, r1), (c0, c1), (lr0, lr1), (lc0, lc1) in piece.blocks():
+            yield (slice(r0, r1), slice(c0, c1)), local[lr0:lr1, lc0:lc1]
 
 
 def warmup_groups(groups: list[ShardGroup], device: torch.device) -> None:

@@ -136,7 +136,7 @@ class MatrixLayout:
             return Piece(((0, self.rows),), ((0, self.cols),))
         return self.pieces[self.group.rank_index]
 
-    @property
+    @functools.cached_property
     def rows_in_rank_order(self) -> bool:
         """Whether the pieces, laid end to end in rank order, are the matrix itself: each
         holds whole rows of one range, ascending (FSDP's ``Shard(0)``). The owner's receive
@@ -167,8 +167,8 @@ def local_tensor(t: Tensor) -> Tensor:
 
 def chunk_sizes(n: int, k: int) -> tuple[int, ...]:
     """Sizes of ``Shard`` chunks of ``n`` over ``k`` ranks (``torch.chunk``: ceil(n/k) each)."""
-    step = -(-n // k) if n else 0
-    return tuple(max(0, min(step, n - j * step)) for j in range(k))
+    whole = ((0, n),) if n else ()
+    return tuple(_extent(_chunk(whole, k, j)) for j in range(k))
 
 
 def shard_ranges(
