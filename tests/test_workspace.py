@@ -16,7 +16,7 @@ import torch
 from dist_harness import worlds_running
 
 from shardmuon import Muon
-from shardmuon.bench.memory import measure_cpu_step
+from shardmuon.bench.memory import gemm_scratch_bytes, measure_cpu_step
 from shardmuon.newton_schulz import newton_schulz, resolve_coefficients
 from shardmuon.workspace import (
     BatchBytes,
@@ -173,7 +173,9 @@ def test_newton_schulz_memory_is_within_its_estimate_and_holds_no_fp32_copy() ->
     G = torch.randn(1, rows, cols).bfloat16()
     measured = measure_cpu_step(lambda: newton_schulz(G), 0).transient_bytes
     estimate = newton_schulz_bytes(1, rows, cols)  # the bf16 output included
-    assert measured <= estimate
+    # The bound: shardmuon's buffers plus one GEMM's library scratch (measured here: none
+    # on an AVX2 CPU, a packing buffer on AVX-512 ones).
+    assert measured <= estimate + gemm_scratch_bytes([(1, rows, cols)])
     # The textbook iteration keeps an fp32 copy and an fp32 quotient alive together.
     textbook = measure_cpu_step(lambda: _textbook_newton_schulz(G), 0).transient_bytes
     assert textbook >= 8 * rows * cols
@@ -197,8 +199,11 @@ def _step_memory(budget: int, max_in_flight: int = 3):
 def test_measured_transient_stays_under_the_budget(budget) -> None:
     opt, _, memory = _step_memory(budget)
     estimate = opt.last_step_stats.workspace_peak_bytes
-    assert memory.transient_bytes <= budget, (memory.transient_bytes, budget)
-    assert memory.transient_bytes <= estimate
+    # At most one GEMM runs at a time: the library's scratch comes on top of the estimate
+    # once (measured for this step's own Newton–Schulz calls, on this machine).
+    scratch = gemm_scratch_bytes(opt.last_step_stats.ns_calls)
+    assert memory.transient_bytes <= budget + scratch, (memory.transient_bytes, budget, scratch)
+    assert memory.transient_bytes <= estimate + scratch, (memory.transient_bytes, estimate)
     assert estimate <= budget
 
 

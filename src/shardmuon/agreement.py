@@ -33,7 +33,7 @@ from torch import Tensor
 from shardmuon.layout import MuonBatch
 from shardmuon.placements import ShardGroup
 
-__all__ = ["AgreementSettings", "agreement_groups", "check_agreement"]
+__all__ = ["AgreementSettings", "agreement_groups", "check_agreement", "collective_order"]
 
 # Keys of a group that change the update of its parameters.
 UPDATE_KEYS = ("lr", "weight_decay", "mu", "nesterov", "epsilon", "adjust_lr", "flatten")
@@ -63,9 +63,11 @@ def agreement_groups(batches: Iterable[MuonBatch]) -> list[ShardGroup]:
     return [groups[ranks] for ranks in sorted(groups)]
 
 
-def _size_and_index(group: ShardGroup) -> tuple[int, int]:
-    """A group as the members of another group see it: its size and this rank's index."""
-    return group.size, group.rank_index
+def _shard_group_seen_by_replicas(layout) -> tuple[int, int, int]:
+    """A replica's shard group as its peer replicas see it: its size, this rank's mesh
+    position in it and its pieces by mesh position (the same on every replica, even where a
+    permuted mesh numbers the members of each replica's group differently)."""
+    return layout.group.size, layout.group.mesh_index, hash(layout.mesh_pieces)
 
 
 def _value(setting) -> object:
@@ -79,36 +81,41 @@ def describe(
     group_of: Sequence[int],
     param_groups: Sequence[dict],
     settings: AgreementSettings,
+    ops: Sequence[tuple[str, int]] = (),
 ) -> tuple[list, list[bool], list[tuple[int, ...]]]:
     """What the members of group ``ranks`` must agree on, seen from this rank.
 
+    ``ops``: the step's schedule; its collectives on this group enter the description.
     Returns the description, the grad-presence flags of the described segments, and the
     shapes of this rank's described parameters that have no grad (for the message).
     """
     described: list = [settings]
     flags: list[bool] = []
     missing: list[tuple[int, ...]] = []
+    position: dict[int, int] = {}  # batch index -> its position among the described ones
     for batch in batches:
         layout = batch.layout
         as_shard = layout.group is not None and layout.group.ranks == ranks
         as_replica = layout.replicas is not None and layout.replicas.ranks == ranks
         if not (as_shard or as_replica):
             continue
+        position[batch.index] = len(position)
         described.append(
             (
                 "shard" if as_shard else "replica",
                 layout.rows,
                 layout.cols,
                 # Python's hash of ints and tuples is the same in every process; the repr
-                # of a 1024-rank group's pieces would be 50 kB per batch.
-                hash(layout.pieces),
+                # of a 1024-rank group's pieces would be 50 kB per batch. Replicas see
+                # their shard groups through mesh positions (below), not group numbering.
+                hash(layout.pieces) if as_shard else None,
                 batch.num_matrices,
-                batch.owners,
+                batch.owners if as_shard else None,
                 batch.partitions,
                 batch.eps,
                 batch.replica,
                 # A replica's shard group differs from its peers' only by its ranks.
-                None if as_shard or layout.group is None else _size_and_index(layout.group),
+                None if as_shard or layout.group is None else _shard_group_seen_by_replicas(layout),
                 (layout.local_rows, layout.local_cols) if as_replica else None,
                 layout.replicas.size if layout.replicas is not None else None,
             )
@@ -127,7 +134,30 @@ def describe(
             flags.append(present)
             if not present:
                 missing.append(tuple(param.shape))
+    described.append(collective_order(ops, batches, position))
     return described, flags, missing
+
+
+def collective_order(
+    ops: Sequence[tuple[str, int]], batches: Sequence[MuonBatch], position: dict[int, int]
+) -> list[tuple[str, int]]:
+    """The step's collectives among the batches of ``position``, in the order this rank
+    issues them: ``("gather"|"return"|"broadcast", position)``.
+
+    Collectives over one group must be issued in the same order by all its members; the
+    order follows from the schedule (:func:`shardmuon.workspace.step_schedule`), so equal
+    descriptions prove it pairs up, whatever made two ranks' schedules differ.
+    """
+    order = []
+    for phase, i in ops:
+        if i not in position:
+            continue
+        batch = batches[i]
+        if batch.layout.exchanged and phase in ("prepare", "compute"):
+            order.append(("gather" if phase == "prepare" else "return", position[i]))
+        if batch.replica is not None and phase == "finish":
+            order.append(("broadcast", position[i]))
+    return order
 
 
 def _hash63(value: object) -> int:
@@ -143,6 +173,7 @@ def check_agreement(
     param_groups: Sequence[dict],
     settings: AgreementSettings,
     device: torch.device,
+    ops: Sequence[tuple[str, int]] = (),
 ) -> None:
     """Raise on every rank of a group whose ranks disagree (see the module docstring).
 
@@ -152,7 +183,7 @@ def check_agreement(
     errors: list[str] = []
     for group in groups:
         described, flags, missing = describe(
-            group.ranks, batches, params, group_of, param_groups, settings
+            group.ranks, batches, params, group_of, param_groups, settings, ops
         )
         plan_hash = _hash63(described)
         grads_hash = _hash63(flags)
@@ -168,7 +199,8 @@ def check_agreement(
                 "they hold different parameters (shapes, placements, order), or different "
                 "settings (lr, weight_decay, mu, nesterov, epsilon, adjust_lr, update_rms, "
                 "Newton–Schulz coefficients, matrix_partitions, max_in_flight, workspace_bytes, "
-                f"split_replicas, check_grads), or local shards laid out other than their "
+                "split_replicas, check_grads), or an order of collectives that differs (the "
+                "schedule of the step), or local shards laid out other than their "
                 "placements say (an uneven _StridedShard made by distribute_tensor instead of "
                 f"FSDP2). This rank's matrix shapes: {shapes}. Every rank must build and "
                 "configure the optimizer the same way"

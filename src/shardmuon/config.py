@@ -78,7 +78,7 @@ class MuonConfig(BaseModel):
     split_replicas: bool = False
     rotate_owners: bool = True
     check_grads: Literal["first", "always", "never"] = "first"
-    newton_schulz_impl: Literal["folded", "unfolded", "compiled"] = "folded"
+    newton_schulz_impl: Literal["folded", "per-matrix", "unfolded", "compiled"] = "folded"
     warmup: bool = False
 
     @field_validator("lr", "weight_decay", "epsilon", mode="before")

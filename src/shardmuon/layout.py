@@ -44,8 +44,9 @@ class MuonBatch:
 
     ``owners[i]`` is the rank index (within ``layout.group``) that owns the ``i``-th matrix,
     counting matrices through ``segments`` in order; empty for local batches. ``replica`` is
-    the index (within ``layout.replicas``) of the replica that orthogonalizes this batch for
-    all replicas, or ``None`` when every replica does it itself.
+    the coordinate along the replicate mesh dim (``layout.replicas.mesh_index``: the same
+    on every rank of a shard group, whatever the mesh's rank order) of the replica that
+    orthogonalizes this batch for all replicas, or ``None`` when every replica does it itself.
     """
 
     index: int

@@ -29,6 +29,7 @@ __all__ = [
     "Coefficients",
     "newton_schulz",
     "newton_schulz_compiled",
+    "newton_schulz_per_matrix",
     "newton_schulz_reference",
     "newton_schulz_unfolded",
     "resolve_coefficients",
@@ -140,6 +141,29 @@ def _check_matrix(G: Tensor) -> None:
 NORMALIZE_CHUNK_ELEMENTS = 4 * 2**20
 
 
+def frobenius_norm_fp32(X: Tensor) -> Tensor:
+    """``||X||_F`` of each matrix of ``X[B, m, n]``, in fp32, shape ``[B, 1, 1]``, without
+    overflow.
+
+    The sum of squares of a gradient scaled by 1e18 overflows fp32 (and the update would
+    silently be zero). Each matrix is scaled by the power of two that brings its largest
+    entry into ``[0.5, 1)`` before the reduction and unscaled after: scaling by a power of
+    two is exact, so wherever the plain fp32 reduction does not overflow (or underflow)
+    the result is the same bits. Takes one fp32 copy of ``X``, as the reduction did.
+    """
+    largest = torch.linalg.vector_norm(
+        X, ord=math.inf, dim=(-2, -1), keepdim=True, dtype=torch.float32
+    )
+    _, exponent = torch.frexp(largest)
+    # 0 (an all-zero matrix) gives exponent 0; the clamp keeps 2^-exponent a normal fp32.
+    exponent.clamp_(-120, 120)
+    scale = torch.ldexp(torch.ones_like(largest), -exponent)
+    scaled = X.to(torch.float32, copy=True).mul_(scale)
+    norm = torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
+    del scaled
+    return norm.div_(scale)
+
+
 def _normalized_bf16(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     """``X / (||X||_F + eps)`` per matrix of ``X[B, m, n]``, computed in fp32, rounded to bf16.
 
@@ -151,8 +175,11 @@ def _normalized_bf16(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor
     """
     if X.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         X = X.float()  # wider inputs are rounded to fp32 first
-    denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    denom = frobenius_norm_fp32(X)
     denom.add_(eps)
+    # A matrix with an inf or NaN entry gets a zero direction (its update is skipped, not
+    # spread as NaN over the whole matrix; the pipeline counts these).
+    nonfinite = ~torch.isfinite(denom)
     if out is None:
         out = torch.empty(X.shape, dtype=torch.bfloat16, device=X.device)
     batch, rows, cols = X.shape
@@ -163,18 +190,16 @@ def _normalized_bf16(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor
 
     if X.numel() <= NORMALIZE_CHUNK_ELEMENTS:
         divide_into(out, X, denom)
-        return out
-    per_matrix = rows * cols
-    if per_matrix <= NORMALIZE_CHUNK_ELEMENTS:
-        step = NORMALIZE_CHUNK_ELEMENTS // per_matrix
+    elif rows * cols <= NORMALIZE_CHUNK_ELEMENTS:
+        step = NORMALIZE_CHUNK_ELEMENTS // (rows * cols)
         for b in range(0, batch, step):
             divide_into(out[b : b + step], X[b : b + step], denom[b : b + step])
-        return out
-    step = max(1, NORMALIZE_CHUNK_ELEMENTS // cols)
-    for b in range(batch):
-        for r in range(0, rows, step):
-            divide_into(out[b, r : r + step], X[b, r : r + step], denom[b])
-    return out
+    else:
+        step = max(1, NORMALIZE_CHUNK_ELEMENTS // cols)
+        for b in range(batch):
+            for r in range(0, rows, step):
+                divide_into(out[b, r : r + step], X[b, r : r + step], denom[b])
+    return out.masked_fill_(nonfinite, 0.0)
 
 
 def newton_schulz(
@@ -211,8 +236,9 @@ def newton_schulz(
         overwrite_input and X.dtype == torch.bfloat16 and X.is_contiguous() and not transposed
     )
     X = _normalized_bf16(X, eps, out=X if in_place else None)
-    # One matrix goes through the 2-D kernels: on CPU, bf16 bmm with a batch of 1 can be
-    # several times slower than mm, and both give the same bits per matrix.
+    # One matrix goes through the 2-D kernels: on an AVX2 CPU, bf16 bmm with a batch of 1
+    # can be several times slower than mm. Neither gives the bits of a larger batch for
+    # every matrix (newton_schulz_per_matrix has batch-independent bits).
     if X.size(0) == 1:
         X, matmul, matmul_add = X[0], torch.mm, torch.addmm
     else:
@@ -229,6 +255,30 @@ def newton_schulz(
     del A, B, spare
     X = X.reshape(shape)
     return X.mT if transposed else X
+
+
+def newton_schulz_per_matrix(
+    G: Tensor,
+    coefficients: str | Sequence[Sequence[float]] | None = None,
+    eps: float = 1e-8,
+) -> Tensor:
+    """:func:`newton_schulz` of each matrix of ``G[..., m, n]`` on its own; bf16 out.
+
+    A batched GEMM may pick another kernel for another batch size (on the AVX-512 CPU of
+    ``docs/benchmarks.md``, about 1 in 200 small random matrices rounds differently alone
+    and inside a batch), so a matrix's bits under the batched :func:`newton_schulz` depend
+    on which others share its batch. One matrix at a time makes them depend on the matrix
+    alone: the same bits on any layout, world size and workspace budget, for the cost of
+    the batching (the GEMMs of small matrices are launched one by one).
+    """
+    _check_matrix(G)
+    stack, shape = _as_batch3d(G)
+    if stack.size(0) <= 1:
+        return newton_schulz(G, coefficients, eps)
+    out = torch.empty(stack.shape, dtype=torch.bfloat16, device=G.device)
+    for i in range(stack.size(0)):
+        out[i] = newton_schulz(stack[i : i + 1], coefficients, eps)[0]
+    return out.reshape(shape)
 
 
 _compiled_newton_schulz = None

@@ -26,6 +26,7 @@ from shardmuon.layout import MuonBatch, Segment, batch_key
 from shardmuon.newton_schulz import (
     newton_schulz,
     newton_schulz_compiled,
+    newton_schulz_per_matrix,
     newton_schulz_unfolded,
     resolve_coefficients,
 )
@@ -54,7 +55,7 @@ from shardmuon.validation import (
     check_mesh,
     check_number,
 )
-from shardmuon.workspace import DEFAULT_WORKSPACE_BYTES, batch_bytes
+from shardmuon.workspace import DEFAULT_WORKSPACE_BYTES, batch_bytes, step_schedule
 
 __all__ = ["Muon"]
 
@@ -62,6 +63,7 @@ NS_IMPLEMENTATIONS = {
     "folded": newton_schulz,
     "unfolded": newton_schulz_unfolded,
     "compiled": newton_schulz_compiled,
+    "per-matrix": newton_schulz_per_matrix,
 }
 CHECK_GRADS = ("first", "always", "never")
 
@@ -103,8 +105,11 @@ class Muon(Optimizer):
             bit for bit.
         offload_prefetch: with offload, how many chunks' state may be on the device at once
             (the chunk being stepped and the ones loading ahead of it); default 2.
-        newton_schulz_impl: ``"folded"`` (default), ``"unfolded"`` (dion's bf16 recipe,
-            for benchmarks) or ``"compiled"`` (``"folded"`` through ``torch.compile``).
+        newton_schulz_impl: ``"folded"`` (default), ``"per-matrix"`` (``"folded"`` one
+            matrix at a time: bits that do not depend on which matrices share a batch, so
+            the same on any layout, world size and budget), ``"unfolded"`` (dion's bf16
+            recipe, for benchmarks) or ``"compiled"`` (``"folded"`` through
+            ``torch.compile``).
         rotate_owners: continue owners round-robin across batches (``False`` for benchmarks).
         split_replicas: for parameters with a replicate mesh dim (HSDP), let one replica
             orthogonalize each batch and broadcast the result to the others, instead of every
@@ -219,6 +224,7 @@ class Muon(Optimizer):
         self._plan_verified = False
         self._round: set[int] | None = None
         self._pending: dict[int, Any] = {}
+        self._broken: str | None = None  # why the open step_chunk round cannot go on
         self._state_stager: StateStager | None = None
         self.last_step_stats = StepStats()
 
@@ -433,6 +439,8 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
         if self._round is not None:
             raise RuntimeError(
                 f"step() called while a step_chunk() round is open ({len(self._round)} of "
@@ -475,9 +483,13 @@ class Muon(Optimizer):
         batches, batches shared across replicas) must be stepped in the order of
         :meth:`chunks` — any other order raises before a collective, since every rank must
         pair the same all-to-alls; local batches and AdamW chunks may go in any order. A chunk whose step
-        raised is not marked done: calling ``step_chunk`` with it again resumes where it
+        raised before any collective (a local or AdamW chunk, or a check before an
+        exchange) is not marked done: calling ``step_chunk`` with it again resumes where it
         failed (its momentum is not updated twice, parameters already updated are not
-        updated again).
+        updated again). A chunk that raised after its collectives began cannot be replayed
+        (its peers are past them, or fail in them at the process group's timeout): every
+        later ``step_chunk``/``step`` raises saying so, until ``load_state_dict`` restores
+        a checkpoint and ends the round.
         """
         chunks = self.chunks()
         key = next((i for i, c in enumerate(chunks) if c is chunk), None)
@@ -486,6 +498,8 @@ class Muon(Optimizer):
                 "step_chunk got a chunk that is not in this optimizer's chunks() (chunks "
                 "are rebuilt when a planned setting changes: call chunks() again)"
             )
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
         if self._round is not None and key in self._round:
             raise RuntimeError(
                 f"chunk {key} was already stepped in this round; step the other "
@@ -526,8 +540,10 @@ class Muon(Optimizer):
                 stats.workspace_peak_bytes = max(
                     stats.workspace_peak_bytes, sum(vars(batch_bytes(chunk)).values())
                 )
-        except BaseException:
-            if progress is not None:
+        except BaseException as error:
+            if isinstance(progress, BatchRun) and progress.communicated:
+                self._broken = _unreplayable(key, error)
+            elif progress is not None:
                 self._pending[key] = progress
             raise
         finally:
@@ -543,6 +559,10 @@ class Muon(Optimizer):
         """Checks first (nothing changes if they raise), then the step counters advance."""
         self._ensure_plan()
         check_grads(self.param_groups)
+        # State replaced by the user (a channels_last momentum, say) or ``offload`` changed
+        # since construction: put every state tensor where the step expects it (with
+        # offload: contiguous host memory, which staging views and writes back in place).
+        self._init_state()
         if self.check_grads == "always" or (
             self.check_grads == "first" and not self._plan_verified
         ):
@@ -573,6 +593,7 @@ class Muon(Optimizer):
             self.param_groups,
             settings,
             self._device(),
+            step_schedule(plan.batches, self.workspace_bytes, self.max_in_flight),
         )
 
     @torch.no_grad()
@@ -602,6 +623,14 @@ class Muon(Optimizer):
                     "parameter of this optimizer"
                 )
             indices.append(index_of[id(p)])
+        for k, (p, u) in enumerate(zip(params, U)):
+            want, got = tuple(local_tensor(p).shape), tuple(local_tensor(u).shape)
+            if not isinstance(u, Tensor) or got != want:
+                raise ValueError(
+                    f"orthogonalize_chunk: U[{k}] has local shape {got}; it must be shaped "
+                    f"like its parameter's local shard, {want} (global shape "
+                    f"{tuple(p.shape)})"
+                )
         layouts = {self._batch_signature(i) for i in indices}
         if len(layouts) != 1:
             raise ValueError(
@@ -661,15 +690,23 @@ class Muon(Optimizer):
         (shardmuon has no cautious weight decay) and its per-parameter AdamW ``step_dev`` is
         dropped (the group's ``step`` counts).
         """
-        if self._round is not None:
+        if self._round is not None and self._broken is None:
             raise RuntimeError(
                 "load_state_dict during a step_chunk round; step the remaining chunks first"
             )
+        # The pre-hooks run first, here, so that what is validated is what is loaded (a
+        # hook may return another dict); torch must not run them a second time.
+        pre_hooks = self._optimizer_load_state_dict_pre_hooks
+        for hook in pre_hooks.values():
+            changed = hook(self, state_dict)
+            if changed is not None:
+                state_dict = changed
         merged = checked_groups(state_dict, self.param_groups, self._make_plan)
         if self._state_stager is not None:
             self._state_stager.wait_host()
         # torch runs the post-hooks at the end of its load; they must see the finished load.
         post_hooks = self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         try:
             if self.offload == "state":
@@ -677,6 +714,7 @@ class Muon(Optimizer):
             else:
                 super().load_state_dict(state_dict)
         finally:
+            self._optimizer_load_state_dict_pre_hooks = pre_hooks
             self._optimizer_load_state_dict_post_hooks = post_hooks
         for group, full in zip(self.param_groups, merged):
             for key, value in full.items():
@@ -687,6 +725,7 @@ class Muon(Optimizer):
                     state.pop(key, None)
         self._init_state()
         self._pending.clear()
+        self._round, self._broken = None, None  # a broken round ends with the restore
         self._plan_settings = None  # replan: the loaded settings rule
         self._ensure_plan()
         for hook in post_hooks.values():
@@ -699,16 +738,7 @@ class Muon(Optimizer):
         need device memory for the whole state. Here torch loads the groups only, and the
         state is cast to the parameters' dtype where it is, then placed in host memory.
         """
-        pre_hooks = self._optimizer_load_state_dict_pre_hooks
-        for hook in pre_hooks.values():
-            changed = hook(self, state_dict)
-            if changed is not None:
-                state_dict = changed
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        try:
-            super().load_state_dict({**state_dict, "state": {}})
-        finally:
-            self._optimizer_load_state_dict_pre_hooks = pre_hooks
+        super().load_state_dict({**state_dict, "state": {}})
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         by_id = dict(zip(saved_ids, params))
@@ -797,6 +827,18 @@ def _dtensor_like(local: Tensor, param: DTensor) -> DTensor:
     meta = TensorMeta(param.shape, param.stride(), local.dtype)
     spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
     return DTensor(local, spec, requires_grad=False)
+
+
+def _unreplayable(key: int, error: BaseException) -> str:
+    """Why a round whose communicating chunk ``key`` failed midway cannot go on."""
+    return (
+        f"step_chunk: chunk {key} raised ({type(error).__name__}: {error}) after its "
+        "collectives with other ranks began; they cannot be replayed (the peers have "
+        "completed or abandoned their side), so this step_chunk round cannot go on. Restore "
+        "a checkpoint with load_state_dict (which ends the round) and step again. Chunks "
+        "that failed before any collective (local and AdamW chunks, and checks before an "
+        "exchange) can be retried"
+    )
 
 
 def _communicates(chunk: Chunk) -> bool:

@@ -38,7 +38,7 @@ from shardmuon.placements import local_tensor
 from shardmuon.plan import AdamWChunk, Plan, setting_float
 from shardmuon.telemetry import StepStats
 from shardmuon.update import direction, momentum_update_, weight_update_
-from shardmuon.workspace import batch_bytes, schedule
+from shardmuon.workspace import batch_bytes, step_schedule
 
 __all__ = [
     "AdamWProgress",
@@ -124,6 +124,8 @@ class StepContext:
         """
         stats = self.stats
         stats.matrices_orthogonalized += U.size(0)
+        if U.numel():
+            stats.nonfinite_counts.append((~torch.isfinite(U)).flatten(1).any(1).sum())
         stats.owned_shapes.extend([(U.size(1), U.size(2))] * U.size(0))
 
         def ns(X: Tensor) -> Tensor:
@@ -153,6 +155,7 @@ class BatchRun:
     results: Tensor | None = None  # bf16 [n, local_rows, local_cols] for this rank
     results_ready: bool = False  # received (and shared across replicas)
     momentum_done: int = 0
+    communicated: bool = False  # a collective of this batch was issued (no replay)
     prepared: bool = False
     computed: bool = False
     finished: int = 0
@@ -174,7 +177,7 @@ def new_run(ctx: StepContext, batch: MuonBatch) -> BatchRun:
     params = ctx.plan.params
     segments = [s for s in batch.segments if params[s.param_index].grad is not None]
     replicas = batch.layout.replicas
-    from_replica = batch.replica is not None and batch.replica != replicas.rank_index
+    from_replica = batch.replica is not None and batch.replica != replicas.mesh_index
     return BatchRun(batch, segments, receives_from_replica=from_replica)
 
 
@@ -292,6 +295,7 @@ def start_gather(ctx: StepContext, run: BatchRun) -> None:
     owners = _active_owners(run.batch, run.segments)
     run.exchange = BatchExchange(run.batch.layout, owners, ctx.stats)
     ctx.stats.bytes_minimum += run.exchange.minimum_bytes()
+    run.communicated = True
     run.exchange.start_gather(run.buffer)
 
 
@@ -357,7 +361,9 @@ def share_with_replicas(ctx: StepContext, run: BatchRun, results: Tensor | None)
         buffer = results.contiguous()
     if buffer.numel() == 0:  # an empty shard: every replica knows, nothing to send
         return buffer
-    dist.broadcast(buffer, src=replicas.ranks[run.batch.replica], group=replicas.process_group)
+    run.communicated = True
+    src = replicas.global_rank_at(run.batch.replica)
+    dist.broadcast(buffer, src=src, group=replicas.process_group)
     nbytes = buffer.numel() * buffer.element_size()
     if run.receives_from_replica:
         ctx.stats.replica_bytes_received += nbytes
@@ -443,7 +449,7 @@ def run_step(
     runs = {i: new_run(ctx, batch) for i, batch in enumerate(plan.batches)}
     if stager is None:
         update_all_momenta(ctx, list(runs.values()))
-    ops = _with_adamw(schedule(sizes, budget, max_in_flight), len(plan.adamw))
+    ops = _with_adamw(step_schedule(plan.batches, budget, max_in_flight), len(plan.adamw))
     staging = _Staging(ctx, stager, runs, ops) if stager is not None else None
     held = peak = 0
     try:

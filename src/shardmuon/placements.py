@@ -50,12 +50,28 @@ Range = tuple[int, int]
 @dataclass(frozen=True)
 class ShardGroup:
     """The process group a matrix is exchanged (or replicated) over, identified by its global
-    ranks (not by identity); several mesh dims flattened, in row-major order, when the
-    matrix is sharded over several."""
+    ranks (not by identity); several mesh dims flattened when the matrix is sharded over
+    several. ``ranks[i]`` is the global rank of group rank ``i`` (the numbering collectives
+    use: ascending global ranks, whatever order the mesh lists them in) and ``rank_index``
+    this rank's group rank."""
 
     ranks: tuple[int, ...]
     rank_index: int
     process_group: dist.ProcessGroup = field(compare=False, hash=False, repr=False)
+    # The members in row-major mesh order (DTensor's coordinates), where it differs from
+    # ``ranks``; empty when the two agree.
+    mesh_ranks: tuple[int, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def mesh_index(self) -> int:
+        """This rank's position in mesh order (its coordinate along a single mesh dim)."""
+        if not self.mesh_ranks:
+            return self.rank_index
+        return self.mesh_ranks.index(self.ranks[self.rank_index])
+
+    def global_rank_at(self, mesh_index: int) -> int:
+        """The global rank at position ``mesh_index`` in mesh order."""
+        return (self.mesh_ranks or self.ranks)[mesh_index]
 
     @property
     def size(self) -> int:
@@ -124,6 +140,9 @@ class MatrixLayout:
     group: ShardGroup | None = None
     pieces: tuple[Piece, ...] = ()
     replicas: ShardGroup | None = None
+    # The pieces by row-major mesh position: what every replica of an HSDP mesh shares even
+    # where its shard group numbers its members differently.
+    mesh_pieces: tuple[Piece, ...] = field(default=(), compare=False)
 
     @property
     def exchanged(self) -> bool:
@@ -151,6 +170,12 @@ class MatrixLayout:
                 return False
             start = piece.rows[0][1]
         return start == self.rows
+
+    @functools.cached_property
+    def largest_piece_numel(self) -> int:
+        """Elements of the largest piece of one matrix held by any member of the group (what
+        every member can compute alike, unlike its own piece's size)."""
+        return max((piece.numel for piece in self.pieces), default=self.rows * self.cols)
 
     def piece_numel(self, rank_index: int) -> int:
         """Elements of rank ``rank_index``'s piece of one matrix."""
@@ -348,19 +373,21 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
         base["replicas"] = _mesh_group(mesh, replicate_dims[0])
     if not shards:
         return MatrixLayout(**base)
-    group = _shard_group(mesh, tuple(m for m, _, _ in shards))
+    group, mesh_ranks = _shard_group(mesh, tuple(m for m, _, _ in shards))
     # One mesh dim holds one placement: each shard is its own dim of the group's grid.
     spec = tuple((mesh.size(m), axis, sf) for m, axis, sf in shards)
-    pieces = group_pieces(rows, cols, spec)
+    mesh_pieces = group_pieces(rows, cols, spec)
+    pieces = _in_group_order(mesh_pieces, mesh_ranks, group)
     own = pieces[group.rank_index].shape
     if own != (local_rows, local_cols) and any(sf > 1 for _, _, sf in shards):
         # Laid out by _StridedShard._split_tensor (distribute_tensor), not by FSDP2: where
         # the two differ only some ranks can see it. Those take the other reading, so the
         # group's pieces disagree and the first step's agreement check raises on every
         # rank, instead of this rank raising alone and its peers hanging.
-        other = group_pieces(rows, cols, spec, fsdp_order=False)
+        other_mesh = group_pieces(rows, cols, spec, fsdp_order=False)
+        other = _in_group_order(other_mesh, mesh_ranks, group)
         if other[group.rank_index].shape == (local_rows, local_cols):
-            pieces, own = other, (local_rows, local_cols)
+            pieces, mesh_pieces, own = other, other_mesh, (local_rows, local_cols)
     if own != (local_rows, local_cols):
         raise RuntimeError(
             f"parameter {_describe(name, param)}: local matrix shape {(local_rows, local_cols)} "
@@ -368,7 +395,7 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
             f"(rows {list(pieces[group.rank_index].rows)}, cols "
             f"{list(pieces[group.rank_index].cols)})"
         )
-    return MatrixLayout(**base, group=group, pieces=pieces)
+    return MatrixLayout(**base, group=group, pieces=pieces, mesh_pieces=mesh_pieces)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -404,50 +431,80 @@ def _unravel(index: int, sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(coordinate))
 
 
+def _in_group_order(
+    pieces: tuple[Piece, ...], mesh_ranks: tuple[int, ...], group: ShardGroup
+) -> tuple[Piece, ...]:
+    """``pieces`` (by row-major mesh position) reordered by rank index in ``group``.
+
+    DTensor gives a rank the piece of its mesh coordinate, while a process group numbers
+    its members in ascending global rank, whatever order the mesh lists them in (a mesh
+    built from a permuted rank tensor, a reversed 1-D mesh). All-to-all splits and owners
+    count in the group's numbering, so the pieces must too.
+    """
+    if mesh_ranks == group.ranks:
+        return pieces
+    by_rank = dict(zip(mesh_ranks, pieces))
+    return tuple(by_rank[rank] for rank in group.ranks)
+
+
+def _group_of(process_group: dist.ProcessGroup, mesh_ranks: tuple[int, ...]) -> ShardGroup:
+    """``process_group`` as a :class:`ShardGroup`: its members in its own rank numbering, and
+    ``mesh_ranks`` (the same members in mesh order)."""
+    ranks = tuple(dist.get_global_rank(process_group, i) for i in range(process_group.size()))
+    if sorted(ranks) != sorted(mesh_ranks):
+        raise RuntimeError(
+            f"the process group of ranks {list(ranks)} is not the mesh's group of ranks "
+            f"{list(mesh_ranks)}"
+        )
+    in_mesh_order = () if mesh_ranks == ranks else mesh_ranks
+    return ShardGroup(ranks, process_group.rank(), process_group, in_mesh_order)
+
+
+def _mesh_ranks(mesh, mesh_dims: Sequence[int]) -> tuple[int, ...]:
+    """The global ranks along ``mesh_dims`` (row-major; other dims at this rank's coordinate)."""
+    coordinate = mesh.get_coordinate()
+    index = tuple(slice(None) if d in mesh_dims else c for d, c in enumerate(coordinate))
+    return tuple(mesh.mesh[index].flatten().tolist())
+
+
 def _mesh_group(mesh, mesh_dim: int) -> ShardGroup:
     """The process group along ``mesh_dim`` that holds this rank."""
-    process_group = mesh.get_group(mesh_dim)
-    return ShardGroup(
-        ranks=tuple(dist.get_process_group_ranks(process_group)),
-        rank_index=mesh.get_local_rank(mesh_dim),
-        process_group=process_group,
-    )
+    return _group_of(mesh.get_group(mesh_dim), _mesh_ranks(mesh, (mesh_dim,)))
 
 
-# Groups this module created over flattened mesh dims, by their global ranks.
+# Groups this module created over flattened mesh dims, by their sorted global ranks.
 _FLATTENED_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
-def _shard_group(mesh, mesh_dims: tuple[int, ...]) -> ShardGroup:
-    """The group over ``mesh_dims`` (flattened row-major; the other dims at this rank's
-    coordinate) that holds this rank.
+def _shard_group(mesh, mesh_dims: tuple[int, ...]) -> tuple[ShardGroup, tuple[int, ...]]:
+    """The group over ``mesh_dims`` that holds this rank, and its members in row-major mesh
+    order (the order :func:`group_pieces` numbers pieces in).
 
-    One mesh dim: its own group. Several: a flattened mesh of the same ranks the user made
+    One mesh dim: its own group. Several: a flattened mesh over the same ranks the user made
     (``mesh[...]._flatten()``) if there is one, else a group of exactly these ranks, made
     once, by these ranks only (``use_local_synchronization``: ranks that hold no such
     matrix, such as other pipeline stages, need not take part).
     """
+    mesh_ranks = _mesh_ranks(mesh, mesh_dims)
     if len(mesh_dims) == 1:
-        return _mesh_group(mesh, mesh_dims[0])
-    coordinate = mesh.get_coordinate()
-    index = tuple(slice(None) if d in mesh_dims else c for d, c in enumerate(coordinate))
-    ranks = tuple(mesh.mesh[index].flatten().tolist())
-    process_group = _existing_flattened_group(mesh, ranks)
+        return _mesh_group(mesh, mesh_dims[0]), mesh_ranks
+    members = tuple(sorted(mesh_ranks))
+    process_group = _existing_flattened_group(mesh, members)
     if process_group is None:
-        process_group = _FLATTENED_GROUPS.get(ranks)
+        process_group = _FLATTENED_GROUPS.get(members)
     if process_group is None:
-        process_group = dist.new_group(list(ranks), use_local_synchronization=True)
-        _FLATTENED_GROUPS[ranks] = process_group
-    return ShardGroup(ranks, ranks.index(dist.get_rank()), process_group)
+        process_group = dist.new_group(list(members), use_local_synchronization=True)
+        _FLATTENED_GROUPS[members] = process_group
+    return _group_of(process_group, mesh_ranks), mesh_ranks
 
 
-def _existing_flattened_group(mesh, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
-    """The group of a flattened 1-D mesh over exactly ``ranks``, in order, if one was made."""
+def _existing_flattened_group(mesh, members: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """The group of a flattened 1-D mesh over exactly ``members`` (sorted), if one was made."""
     try:
         flattened = mesh._get_root_mesh()._flatten_mapping.values()
     except AttributeError:  # a DeviceMesh without flattening support
         return None
     for flat in flattened:
-        if tuple(flat.mesh.flatten().tolist()) == ranks:
+        if tuple(sorted(flat.mesh.flatten().tolist())) == members:
             return flat.get_group(0)
     return None

@@ -23,7 +23,8 @@ class StepStats:
     can time exactly the same calls; ``workspace_peak_bytes``: the estimated peak of the
     step's transient buffers on this rank (``workspace.py``), what ``workspace_bytes`` caps;
     ``offload_*`` (``offload="state"``): optimizer state copied host -> device and back,
-    and the most state bytes on the device at once.
+    and the most state bytes on the device at once; ``nonfinite_matrices``: matrices whose
+    update was skipped because their direction held inf or NaN.
     """
 
     bytes_sent: int = 0
@@ -39,6 +40,16 @@ class StepStats:
     offload_bytes_loaded: int = 0
     offload_bytes_stored: int = 0
     offload_workspace_peak_bytes: int = 0
+    # Per Newton–Schulz call, a device count of its matrices with a non-finite entry: kept
+    # on the device (no synchronisation in the step) until ``nonfinite_matrices`` is read.
+    nonfinite_counts: list = field(default_factory=list, repr=False)
+
+    @property
+    def nonfinite_matrices(self) -> int:
+        """Matrices this rank orthogonalized whose direction held inf or NaN (a gradient or
+        momentum gone non-finite): their update was skipped (a zero direction; decoupled
+        weight decay still applied). Reading it synchronises with the device once."""
+        return int(sum(int(count) for count in self.nonfinite_counts))
 
     def add_traffic(self, send_splits: list[int], recv_splits: list[int], me: int) -> None:
         """Count one all-to-all given its split sizes (elements) and this rank's index."""

@@ -31,7 +31,10 @@ __all__ = [
     "batch_bytes",
     "local_batch_size",
     "newton_schulz_bytes",
+    "peak_of_schedule",
     "schedule",
+    "schedule_bytes",
+    "step_schedule",
     "workspace_peak_bytes",
 ]
 
@@ -92,24 +95,45 @@ def _orthogonalize_bytes(count: int, rows: int, cols: int, partitions) -> int:
 def batch_bytes(batch: MuonBatch) -> BatchBytes:
     """What ``batch`` needs on this rank (see the module docstring); every matrix assumed active."""
     layout = batch.layout
-    n = batch.num_matrices
     if layout.exchanged:
         me = layout.group.rank_index
-        piece = layout.piece_numel(me)
-        own = n * piece
-        owned = me in batch.owners
-        whole = layout.rows * layout.cols if owned else 0
-        held = 2 * BF16 * own + 2 * BF16 * whole
-        compute = (
-            _orthogonalize_bytes(1, layout.rows, layout.cols, batch.partitions) if owned else 0
-        )
-        # The prepare phase's fp32 directions, the finish phase's fp32 update (and the fp32
-        # copy of a low-precision weight): one segment at a time, at most the batch.
-        element_wise = 2 * FP32 * own
-        return BatchBytes(held=held, peak=max(compute, element_wise))
-    numel = n * layout.local_rows * layout.local_cols
+        return _exchanged_bytes(batch, layout.piece_numel(me), me in batch.owners)
+    return _local_bytes(batch)
+
+
+def schedule_bytes(batch: MuonBatch) -> BatchBytes:
+    """What ``batch`` needs on the member of its group that needs the most: an upper bound of
+    :func:`batch_bytes` on every rank, computed from what every rank knows alike.
+
+    The schedule is built from these, never from a rank's own role (owner or not, its own
+    piece's size): ranks that derived different schedules from one budget would issue
+    their all-to-alls in different orders, and the collectives would pair up wrongly.
+    """
+    layout = batch.layout
+    if layout.exchanged:
+        return _exchanged_bytes(batch, layout.largest_piece_numel, bool(batch.owners))
+    return _local_bytes(batch)
+
+
+def _exchanged_bytes(batch: MuonBatch, piece: int, owned: bool) -> BatchBytes:
+    layout = batch.layout
+    own = batch.num_matrices * piece
+    whole = layout.rows * layout.cols if owned else 0
+    held = 2 * BF16 * own + 2 * BF16 * whole
+    compute = _orthogonalize_bytes(1, layout.rows, layout.cols, batch.partitions) if owned else 0
+    # The prepare phase's fp32 directions, the finish phase's fp32 update (and the fp32
+    # copy of a low-precision weight): one segment at a time, at most the batch.
+    element_wise = 2 * FP32 * own
+    return BatchBytes(held=held, peak=max(compute, element_wise))
+
+
+def _local_bytes(batch: MuonBatch) -> BatchBytes:
+    layout = batch.layout
+    numel = batch.num_matrices * layout.local_rows * layout.local_cols
     held = 2 * BF16 * numel
-    compute = _orthogonalize_bytes(n, layout.local_rows, layout.local_cols, batch.partitions)
+    compute = _orthogonalize_bytes(
+        batch.num_matrices, layout.local_rows, layout.local_cols, batch.partitions
+    )
     return BatchBytes(held=held, peak=max(compute, 2 * FP32 * numel))
 
 
@@ -182,14 +206,27 @@ def schedule(sizes: Sequence[BatchBytes], budget: int, max_in_flight: int) -> li
     return ops
 
 
-def workspace_peak_bytes(batches: Sequence[MuonBatch], budget: int, max_in_flight: int) -> int:
-    """The estimated peak transient bytes of one step's Muon batches on this rank."""
-    sizes = [batch_bytes(b) for b in batches]
+def step_schedule(
+    batches: Sequence[MuonBatch], budget: int, max_in_flight: int
+) -> list[tuple[str, int]]:
+    """The order of the step's phases: :func:`schedule` of the batches' :func:`schedule_bytes`
+    (the same on every rank that plans the same batches)."""
+    return schedule([schedule_bytes(b) for b in batches], budget, max_in_flight)
+
+
+def peak_of_schedule(ops: Sequence[tuple[str, int]], sizes: Sequence[BatchBytes]) -> int:
+    """The largest ``held + peak`` while running ``ops`` with this rank's ``sizes``."""
     peak = held = 0
-    for phase, i in schedule(sizes, budget, max_in_flight):
+    for phase, i in ops:
         if phase == "prepare":
             held += sizes[i].held
         peak = max(peak, held + sizes[i].peak)
         if phase == "finish":
             held -= sizes[i].held
     return peak
+
+
+def workspace_peak_bytes(batches: Sequence[MuonBatch], budget: int, max_in_flight: int) -> int:
+    """The estimated peak transient bytes of one step's Muon batches on this rank."""
+    ops = step_schedule(batches, budget, max_in_flight)
+    return peak_of_schedule(ops, [batch_bytes(b) for b in batches])

@@ -23,7 +23,7 @@ import torch
 
 from shardmuon.placements import local_tensor
 
-__all__ = ["StepMemory", "live_bytes", "measure_cpu_step", "peak_of_events"]
+__all__ = ["StepMemory", "gemm_scratch_bytes", "live_bytes", "measure_cpu_step", "peak_of_events"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +93,38 @@ def measure_cpu_step(step: Callable[[], object], baseline_bytes: int) -> StepMem
     ]
     transient = peak_of_events(events)
     return StepMemory(peak_bytes=baseline_bytes + transient, transient_bytes=transient)
+
+
+def gemm_scratch_bytes(shapes: Iterable[tuple[int, int, int]]) -> int:
+    """The most bytes the GEMM library allocates, and frees, inside one bf16 GEMM of
+    Newton–Schulz on ``[batch, rows, cols]`` inputs, measured on this machine.
+
+    ``workspace_bytes`` bounds the buffers shardmuon allocates; a GEMM library may allocate
+    scratch of its own inside each call (oneDNN packs its operands on AVX-512 CPUs: a few
+    hundred KB, depending on the shapes and the thread count; none on the AVX2 CPU of
+    ``docs/benchmarks.md``). One GEMM runs at a time per rank, so a step's transient is at
+    most its estimate plus the largest of these. Measured with the CPU profiler on the
+    iteration's three GEMMs (``out=`` given: the output is not counted).
+    """
+    worst = 0
+    for batch, rows, cols in set(shapes):
+        small, large = sorted((rows, cols))
+        X = torch.randn(batch, small, large).bfloat16()
+        A = torch.empty(batch, small, small, dtype=torch.bfloat16)
+        B = torch.empty_like(A)
+        spare = torch.empty_like(X)
+        if batch == 1:
+            calls = [
+                lambda: torch.mm(X[0], X[0].mT, out=A[0]),
+                lambda: torch.addmm(A[0], A[0], A[0], beta=-1.0, alpha=0.5, out=B[0]),
+                lambda: torch.addmm(X[0], B[0], X[0], beta=2.0, alpha=1.0, out=spare[0]),
+            ]
+        else:
+            calls = [
+                lambda: torch.bmm(X, X.mT, out=A),
+                lambda: torch.baddbmm(A, A, A, beta=-1.0, alpha=0.5, out=B),
+                lambda: torch.baddbmm(X, B, X, beta=2.0, alpha=1.0, out=spare),
+            ]
+        for call in calls:
+            worst = max(worst, measure_cpu_step(call, 0).transient_bytes)
+    return worst

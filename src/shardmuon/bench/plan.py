@@ -576,6 +576,11 @@ def plan_world(
 # ------------------------------------------------------------------ command line
 
 
+# The largest world bench plan accepts (issue #19: a million ranks ran for minutes with no
+# output). Measured in docs/benchmarks.md: MAX_WORLD_SIZE ranks take about a minute.
+MAX_WORLD_SIZE = 16384
+
+
 def parse_world_sizes(text: str) -> list[int]:
     """``"8,64,1024"`` -> ``[8, 64, 1024]``; ``ValueError`` naming the flag otherwise."""
     try:
@@ -586,6 +591,13 @@ def parse_world_sizes(text: str) -> list[int]:
         raise ValueError(
             f"bad --world-size {text!r}; accepted: one or more ints >= 1, comma-separated, "
             "e.g. 8 or 8,64,1024"
+        )
+    too_large = [s for s in sizes if s > MAX_WORLD_SIZE]
+    if too_large:
+        raise ValueError(
+            f"--world-size {too_large[0]} is more ranks than bench plan lays out in reasonable "
+            f"time (every rank's process group and pieces are built in this one process); "
+            f"accepted: 1 to {MAX_WORLD_SIZE}"
         )
     return sizes
 
