@@ -13,6 +13,7 @@ Run by ``test_escapes.py``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -299,4 +300,63 @@ def _random_budgets(ctx: Context) -> None:
                 ctx, specs, label, seed=trial, steps=2, workspace_bytes=budget,
                 max_in_flight=rng.randint(1, 4), split_replicas=rng.random() < 0.3,
             )  # fmt: skip
+    fail_on(problems)
+
+
+# ------------------------------------------------------------------ step_chunk retry (3)
+
+
+@case("step_chunk_failed_after_its_exchange_is_refused_on_every_rank", (2,))
+def _unreplayable(ctx: Context) -> None:
+    """Newton–Schulz raises on every owner of an exchanged batch, after the gather: the
+    retry is refused on every rank (before: ``AttributeError`` and a peer left hanging);
+    a restored checkpoint steps again, bitwise like an optimizer that never failed."""
+    from dist_cases import expect_raises
+    from dist_checks import make_optimizer, place, random_tensors
+    from torch import nn
+
+    from shardmuon.pipeline import StepContext
+
+    specs = [Spec((8, 4), (S0,)), Spec((8, 4), (S0,)), Spec((6, 5))]
+    problems = []
+    for offload in (None, "state"):
+        init = random_tensors([s.shape for s in specs], 0)
+        params = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
+        twin = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
+        opt = make_optimizer(params, specs, lr=0.02, offload=offload)
+        ref = make_optimizer(twin, specs, lr=0.02, offload=offload)
+        saved = copy.deepcopy(opt.state_dict())  # state_dict() holds the live tensors
+        grads = random_tensors([s.shape for s in specs], 1)
+        for s, p, q, g in zip(specs, params, twin, grads):
+            p.grad, q.grad = place(ctx, s, g), place(ctx, s, g)
+        exchanged = next(c for c in opt.chunks() if getattr(c, "layout", None).exchanged)
+        original = StepContext.orthogonalize
+
+        def failing(self, U, batch):
+            raise MemoryError("out of memory in Newton-Schulz (injected)")
+
+        StepContext.orthogonalize = failing
+        try:
+            problems += expect_raises(
+                MemoryError, ["injected"], lambda opt=opt, c=exchanged: opt.step_chunk(c)
+            )
+        finally:
+            StepContext.orthogonalize = original
+        fragments = ["chunk 0", "cannot be replayed", "load_state_dict"]
+        problems += expect_raises(
+            RuntimeError, fragments, lambda opt=opt, c=exchanged: opt.step_chunk(c)
+        )
+        problems += expect_raises(RuntimeError, fragments, opt.step)
+        opt.load_state_dict(saved)
+        for p, q in zip(params, twin):  # the failed round updated nothing else of note
+            p.data.copy_(q.data)
+        with issued_collectives() as calls:
+            for chunk in opt.chunks():
+                opt.step_chunk(chunk)
+            ref.step()
+        problems += pairing_problems(calls, f"offload={offload}")
+        for k, (p, q) in enumerate(zip(params, twin)):
+            a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (p, q))
+            if not torch.equal(a, b):
+                problems.append(f"offload={offload}: param {k} differs after the restore")
     fail_on(problems)

@@ -112,7 +112,11 @@ BAD_VALUES = [
     ("max_in_flight", 2.5, r"max_in_flight must be an int >= 1, got 2.5"),
     ("momentum", 0.9, r"momentum\n  Extra inputs are not permitted"),
     ("check_grads", "sometimes", r"Input should be 'first', 'always' or 'never'"),
-    ("newton_schulz_impl", "fast", r"Input should be 'folded', 'unfolded' or 'compiled'"),
+    (
+        "newton_schulz_impl",
+        "fast",
+        r"Input should be 'folded', 'per-matrix', 'unfolded' or 'compiled'",
+    ),
     ("split_replicas", "maybe", r"Input should be a valid boolean"),
     ("flatten", 2, r"Input should be a valid boolean"),
 ]

@@ -124,9 +124,11 @@ class Muon(Optimizer):
             ``"never"``. A parameter without a grad is
             skipped (no momentum, no decay) on every rank, as in dion.
 
-    NaN or inf in a gradient propagate into that parameter's momentum and, through
-    Newton–Schulz's normalisation, into its whole update (every element becomes NaN); other
-    parameters are unaffected. Clip or skip such steps outside the optimizer.
+    A matrix whose direction holds NaN or inf (a non-finite gradient or momentum) is
+    skipped: its orthogonalized direction is zero (decoupled weight decay still applies),
+    it is counted in ``last_step_stats.nonfinite_matrices``, and every other matrix gets
+    exactly its update. Its momentum keeps the non-finite values: zero it or restore a
+    checkpoint. Huge finite gradients (1e18) are normalised without overflow.
     """
 
     def __init__(

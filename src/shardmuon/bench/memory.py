@@ -14,6 +14,7 @@ runs slower, so it is a separate step from the timed ones.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -113,18 +114,21 @@ def gemm_scratch_bytes(shapes: Iterable[tuple[int, int, int]]) -> int:
         A = torch.empty(batch, small, small, dtype=torch.bfloat16)
         B = torch.empty_like(A)
         spare = torch.empty_like(X)
-        if batch == 1:
-            calls = [
-                lambda: torch.mm(X[0], X[0].mT, out=A[0]),
-                lambda: torch.addmm(A[0], A[0], A[0], beta=-1.0, alpha=0.5, out=B[0]),
-                lambda: torch.addmm(X[0], B[0], X[0], beta=2.0, alpha=1.0, out=spare[0]),
-            ]
-        else:
-            calls = [
-                lambda: torch.bmm(X, X.mT, out=A),
-                lambda: torch.baddbmm(A, A, A, beta=-1.0, alpha=0.5, out=B),
-                lambda: torch.baddbmm(X, B, X, beta=2.0, alpha=1.0, out=spare),
-            ]
+        calls = _iteration_gemms(X, A, B, spare)
         for call in calls:
             worst = max(worst, measure_cpu_step(call, 0).transient_bytes)
     return worst
+
+
+def _iteration_gemms(X, A, B, spare) -> list[Callable[[], object]]:
+    """The three GEMMs of one Newton–Schulz iteration, as the iteration calls them."""
+    if X.size(0) == 1:
+        X, A, B, spare = X[0], A[0], B[0], spare[0]
+        matmul, matmul_add = torch.mm, torch.addmm
+    else:
+        matmul, matmul_add = torch.bmm, torch.baddbmm
+    return [
+        functools.partial(matmul, X, X.mT, out=A),
+        functools.partial(matmul_add, A, A, A, beta=-1.0, alpha=0.5, out=B),
+        functools.partial(matmul_add, X, B, X, beta=2.0, alpha=1.0, out=spare),
+    ]

@@ -577,7 +577,7 @@ def plan_world(
 
 
 # The largest world bench plan accepts (issue #19: a million ranks ran for minutes with no
-# output). Measured in docs/benchmarks.md: MAX_WORLD_SIZE ranks take about a minute.
+# output, building the groups and pieces of every rank before the first progress line).
 MAX_WORLD_SIZE = 16384
 
 
