@@ -39,12 +39,17 @@ def _grads(params, seed: int, scale: float = 1.0) -> None:
 # ------------------------------------------------------------------ load pre-hooks (class 6)
 
 
-def test_a_pre_hooks_returned_state_dict_is_validated_before_anything_changes() -> None:
+def _stepped_once() -> tuple[list[nn.Parameter], Muon, dict]:
+    """A Muon after one step, and its state dict."""
     params = _params()
     opt = Muon(params, lr=0.02)
     _grads(params, 1)
     opt.step()
-    saved = opt.state_dict()
+    return params, opt, opt.state_dict()
+
+
+def test_a_pre_hooks_returned_state_dict_is_validated_before_anything_changes() -> None:
+    params, opt, saved = _stepped_once()
 
     def wrong_shape(optimizer, state_dict):
         bad = copy.deepcopy(state_dict)
@@ -63,11 +68,7 @@ def test_a_pre_hooks_returned_state_dict_is_validated_before_anything_changes() 
 
 
 def test_a_pre_hook_runs_once_and_its_result_is_what_loads() -> None:
-    params = _params()
-    opt = Muon(params, lr=0.02)
-    _grads(params, 1)
-    opt.step()
-    saved = opt.state_dict()
+    _, _, saved = _stepped_once()
     calls = []
 
     def halve(optimizer, state_dict):
