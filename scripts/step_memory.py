@@ -14,6 +14,10 @@ replaced by a bf16 cast (the same data movement in and out, no GEMMs) and the me
 steps is printed (max over ranks), so that two checkouts' momentum, packing, exchange and
 update code can be compared on a machine where bf16 GEMMs would drown the difference.
 
+``--check-grads always`` runs shardmuon with the agreement check on every step (default:
+``first``): with ``--overhead``, the difference is what catching a grad that disappears on
+some ranks after step 1 costs per step.
+
 ``--dion`` measures dion's Muon instead (the ``dion`` package must be importable; it is not a
 dependency): ``distributed_mesh`` = the 1-D mesh, ``adjust_lr="rms_norm"``, and its
 Newton-Schulz function replaced the same way (one quintic iteration, or a bf16 cast).
@@ -73,8 +77,10 @@ def _dion_optimizer(groups: list[dict], mesh, overhead: bool):
     )  # fmt: skip
 
 
-def worker(rank: int, world: int, port: int, src: str | None, options: tuple[bool, bool, bool]):
-    offload, overhead, use_dion = options
+def worker(
+    rank: int, world: int, port: int, src: str | None, options: tuple[bool, bool, bool, str]
+):
+    offload, overhead, use_dion, check_grads = options
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if src:
@@ -111,6 +117,7 @@ def worker(rank: int, world: int, port: int, src: str | None, options: tuple[boo
             nesterov=True,
             weight_decay=0.1,
             newton_schulz_coefficients=[(3.4445, -4.7750, 2.0315)],
+            check_grads=check_grads,
             **kwargs,
         )
     for p in params.values():
@@ -126,7 +133,7 @@ def worker(rank: int, world: int, port: int, src: str | None, options: tuple[boo
         median = torch.tensor([statistics.median(times[3:])])
         dist.all_reduce(median, op=dist.ReduceOp.MAX)
         if rank == 0:
-            label = "dion" if use_dion else "shardmuon"
+            label = "dion" if use_dion else f"shardmuon (check_grads={check_grads!r})"
             print(f"{label} world {world}: step without Newton-Schulz {median.item() * 1e3:.1f} ms")
         dist.destroy_process_group()
         return
@@ -147,11 +154,14 @@ def main() -> None:
     parser.add_argument("--offload", action="store_true", help="Muon(offload='state')")
     parser.add_argument("--overhead", action="store_true", help="time the step without NS")
     parser.add_argument("--dion", action="store_true", help="dion's Muon (if installed)")
+    parser.add_argument(
+        "--check-grads", choices=("first", "always"), default="first", help="Muon(check_grads=)"
+    )
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    options = (args.offload, args.overhead, args.dion)
+    options = (args.offload, args.overhead, args.dion, args.check_grads)
     mp.spawn(worker, args=(args.nproc, port, args.src, options), nprocs=args.nproc)
 
 

@@ -108,7 +108,7 @@ def _replicated_shapes(ctx: Context) -> None:
     specs = [Spec((8, 6), (R,)), Spec((7, 6) if _last(ctx) else (6, 6), (R,))]
     params, opt = _build(ctx, specs, split_replicas=True)
     _grads(ctx, params, specs)
-    fail_on(_expect_refused(ctx, opt, params, [DISAGREE]))
+    fail_on(_expect_refused(ctx, opt, params, [DISAGREE, "7x6 matrices", "6x6 matrices"]))
 
 
 @case("replicated_split_grad_missing_on_one_rank")
@@ -128,8 +128,9 @@ def _hsdp_one_replica(ctx: Context) -> None:
     fail_on(_expect_refused(ctx, opt, params, [GRADS_DISAGREE]))
 
 
-def _setting_case(name: str, **per_rank) -> None:
-    """The last rank builds its optimizer with ``per_rank`` settings, the others default."""
+def _setting_case(name: str, named: str, **per_rank) -> None:
+    """The last rank builds its optimizer with ``per_rank`` settings, the others default; the
+    error names the setting (``named``) and the last rank's value."""
 
     @case(name)
     def run(ctx: Context) -> None:
@@ -137,18 +138,19 @@ def _setting_case(name: str, **per_rank) -> None:
         kwargs = per_rank if _last(ctx) else {}
         params, opt = _build(ctx, specs, **kwargs)
         _grads(ctx, params, specs)
-        fail_on(_expect_refused(ctx, opt, params, [DISAGREE]))
+        last = ctx.world_size - 1
+        fail_on(_expect_refused(ctx, opt, params, [DISAGREE, f"{named} (", f"rank {last}: "]))
 
 
-_setting_case("per_rank_lr", lr=0.02)
-_setting_case("per_rank_epsilon", epsilon=1e-7)
-_setting_case("per_rank_weight_decay", weight_decay=0.1)
-_setting_case("per_rank_nesterov", nesterov=True)
-_setting_case("per_rank_adjust_lr", adjust_lr="rms_norm")
-_setting_case("per_rank_update_rms", adjust_lr="rms_norm", update_rms=0.3)
-_setting_case("per_rank_max_in_flight", max_in_flight=1)
-_setting_case("per_rank_coefficients", newton_schulz_coefficients="keller")
-_setting_case("per_rank_check_grads", check_grads="always")
+_setting_case("per_rank_lr", "lr", lr=0.02)
+_setting_case("per_rank_epsilon", "epsilon", epsilon=1e-7)
+_setting_case("per_rank_weight_decay", "weight_decay", weight_decay=0.1)
+_setting_case("per_rank_nesterov", "nesterov", nesterov=True)
+_setting_case("per_rank_adjust_lr", "adjust_lr", adjust_lr="rms_norm")
+_setting_case("per_rank_update_rms", "update_rms", adjust_lr="rms_norm", update_rms=0.3)
+_setting_case("per_rank_max_in_flight", "max_in_flight", max_in_flight=1)
+_setting_case("per_rank_coefficients", "coefficients", newton_schulz_coefficients="keller")
+_setting_case("per_rank_check_grads", "check_grads", check_grads="always")
 
 
 @case("per_rank_matrix_partitions")
@@ -156,7 +158,7 @@ def _per_rank_partitions(ctx: Context) -> None:
     specs = [Spec((8, 6), (S0,), partitions=(4, 4) if _last(ctx) else None)]
     params, opt = _build(ctx, specs)
     _grads(ctx, params, specs)
-    fail_on(_expect_refused(ctx, opt, params, [DISAGREE]))
+    fail_on(_expect_refused(ctx, opt, params, [DISAGREE, "matrix_partitions ("]))
 
 
 @case("replicate_on_one_rank_shard_on_others")

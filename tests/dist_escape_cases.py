@@ -360,3 +360,41 @@ def _unreplayable(ctx: Context) -> None:
             if not torch.equal(a, b):
                 problems.append(f"offload={offload}: param {k} differs after the restore")
     fail_on(problems)
+
+
+# ------------------------------------------------------------------ empty expert stacks (5)
+
+# Expert stacks with fewer experts than the mesh dim that shards them: some replicas (or some
+# shard ranks) hold none, beside weights replicated over the same dims.
+EMPTY_STACK_SPECS_2X2 = [
+    [Spec((1, 6, 5), (S0, S1), "2d"), Spec((6, 5), (R, S0), "2d")],
+    [Spec((1, 6, 5), (S0, R), "2d"), Spec((6, 5), (R, S0), "2d"), Spec((4, 7), (R, S1), "2d")],
+    [Spec((1, 6, 5), (S0, S0), "2d"), Spec((6, 5), (R, S0), "2d"), Spec((5, 5), (R, R), "2d")],
+    [Spec((1, 6, 5), (R, S0), "2d"), Spec((6, 5), (R, S0), "2d")],
+    # Replicated over different mesh dims, local batches: split_replicas must give each
+    # replica group its own balance (one shared by size differed between ranks).
+    [Spec((1, 6, 5), (S0, R), "2d"), Spec((2, 6, 5), (R, S0), "2d"), Spec((3, 4), (R, R), "2d")],
+    [Spec((3, 6, 5), (S0, S0), "2d"), Spec((6, 5), (R, S1), "2d"), Spec((1, 4, 4), (S1, S0), "2d")],
+]
+
+
+@case("expert_stacks_empty_on_some_replicas_bitwise", (4, 8))
+def _empty_stacks(ctx: Context) -> None:
+    """Before: refused as "ranks disagree" (a replica's digest described its shard group by
+    ranks), or a crash planning an empty stack with ``split_replicas``; now bitwise like one
+    process, and the collectives pair up."""
+    problems = []
+    if ctx.world_size == 8:  # 2 replicas x 4 shards: 3 experts leave one shard rank empty
+        mesh = DeviceMesh("cpu", torch.arange(8).reshape(2, 4), mesh_dim_names=("rep", "shard"))
+        ctx = replace(ctx, mesh_2d=mesh)
+        layouts = [
+            [Spec((3, 6, 5), (R, S0), "2d"), Spec((6, 5), (R, S0), "2d")],
+            [Spec((1, 6, 5), (S0, S0), "2d"), Spec((9, 5), (R, S1), "2d")],
+            [Spec((2, 6, 5), (S0, S1), "2d"), Spec((6, 5), (R, R), "2d")],
+        ]
+    else:
+        layouts = EMPTY_STACK_SPECS_2X2
+    for k, specs in enumerate(layouts):
+        for kwargs in ({}, {"split_replicas": True}, {"workspace_bytes": 1000}):
+            problems += compare(ctx, specs, f"layout {k} {specs} {kwargs}", seed=k, **kwargs)
+    fail_on(problems)

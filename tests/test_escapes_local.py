@@ -244,3 +244,23 @@ def test_bench_plan_refuses_world_sizes_it_cannot_lay_out_in_reasonable_time() -
     assert parse_world_sizes(f"8,{MAX_WORLD_SIZE}") == [8, MAX_WORLD_SIZE]
     with pytest.raises(ValueError, match=f"1000003 .* 1 to {MAX_WORLD_SIZE}"):
         parse_world_sizes("8,1000003")
+
+
+def test_a_refusal_names_the_first_field_that_differs_and_each_ranks_value() -> None:
+    """``first_difference`` (what every rank's agreement error says, issue #19 class 5)."""
+    from shardmuon.agreement import first_difference
+
+    same = ("settings", (("lr", 0.01), ("mu", 0.95)))
+    lr = ("settings", (("lr", 0.02), ("mu", 0.95)))
+    batch = ("batch 1 (6x5 matrices, as a replica)", (("owners", (0,)),))
+    assert first_difference([[same], [same], [lr]], [0, 4, 2]) == (
+        "settings: lr (ranks 0, 4: 0.01; rank 2: 0.02)"
+    )
+    message = first_difference([[same, batch], [same, ("end", ())]], [0, 1])
+    assert message.startswith("item 1 of the step: rank 0: 'batch 1 (6x5")
+    assert "rank 1: 'end'" in message
+    assert first_difference([[same], [same, batch]], [0, 1]) == (
+        "the number of batches (rank 0: 0; rank 1: 1)"
+    )
+    many = first_difference([[("s", (("x", i),))] for i in range(7)], list(range(7)))
+    assert many.endswith("rank 3: 3; 3 more values)")

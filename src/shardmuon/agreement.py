@@ -18,10 +18,15 @@ The groups are those of the shard dims (the all-to-alls) and of the replicate di
 order of their ranks, so two ranks that share groups call their collectives in the same
 order. Fields that legitimately differ between members (which shard group a replica sits
 in) are described by size and position only.
+
+When the hashes differ (and only then), the members gather each other's descriptions — all
+of them saw the same verdict, so all join — and the error names the first item and field
+that differ, with each rank's value (:func:`first_difference`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -33,7 +38,13 @@ from torch import Tensor
 from shardmuon.layout import MuonBatch
 from shardmuon.placements import ShardGroup
 
-__all__ = ["AgreementSettings", "agreement_groups", "check_agreement", "collective_order"]
+__all__ = [
+    "AgreementSettings",
+    "agreement_groups",
+    "check_agreement",
+    "collective_order",
+    "first_difference",
+]
 
 # Keys of a group that change the update of its parameters.
 UPDATE_KEYS = ("lr", "weight_decay", "mu", "nesterov", "epsilon", "adjust_lr", "flatten")
@@ -74,6 +85,46 @@ def _value(setting) -> object:
     return setting.item() if isinstance(setting, Tensor) else setting
 
 
+# One described item: a label (what it is, for the message) and its named fields.
+Entry = tuple[str, tuple[tuple[str, object], ...]]
+
+
+def _settings_entry(settings: AgreementSettings) -> Entry:
+    return "the optimizer's settings", tuple(
+        (f.name, getattr(settings, f.name)) for f in dataclasses.fields(settings)
+    )
+
+
+def _batch_entry(batch: MuonBatch, position: int, as_shard: bool) -> Entry:
+    layout = batch.layout
+    label = (
+        f"batch {position} ({layout.rows}x{layout.cols} matrices, "
+        f"as {'its shard group' if as_shard else 'a replica'})"
+    )
+    return label, (
+        ("matrix shape", (layout.rows, layout.cols)),
+        # Python's hash of ints and tuples is the same in every process; the repr of a
+        # 1024-rank group's pieces would be 50 kB per batch. Replicas see their shard
+        # groups through mesh positions (below), not group numbering.
+        (
+            "pieces (how each matrix is cut among the group)",
+            hash(layout.pieces) if as_shard else None,
+        ),
+        ("matrices in the batch", batch.num_matrices),
+        ("owners", batch.owners if as_shard else None),
+        ("matrix_partitions", batch.partitions),
+        ("epsilon", batch.eps),
+        ("computing replica", batch.replica),
+        # A replica's shard group differs from its peers' only by its ranks.
+        (
+            "shard group (size, mesh position, pieces)",
+            None if as_shard or layout.group is None else _shard_group_seen_by_replicas(layout),
+        ),
+        ("local matrix shape", (layout.local_rows, layout.local_cols) if not as_shard else None),
+        ("replicas", layout.replicas.size if layout.replicas is not None else None),
+    )
+
+
 def describe(
     ranks: tuple[int, ...],
     batches: Sequence[MuonBatch],
@@ -82,14 +133,15 @@ def describe(
     param_groups: Sequence[dict],
     settings: AgreementSettings,
     ops: Sequence[tuple[str, int]] = (),
-) -> tuple[list, list[bool], list[tuple[int, ...]]]:
+) -> tuple[list[Entry], list[bool], list[tuple[int, ...]]]:
     """What the members of group ``ranks`` must agree on, seen from this rank.
 
     ``ops``: the step's schedule; its collectives on this group enter the description.
-    Returns the description, the grad-presence flags of the described segments, and the
-    shapes of this rank's described parameters that have no grad (for the message).
+    Returns the description (labelled entries of named fields, so that a mismatch can be
+    named), the grad-presence flags of the described segments, and the shapes of this rank's
+    described parameters that have no grad (for the message).
     """
-    described: list = [settings]
+    described: list[Entry] = [_settings_entry(settings)]
     flags: list[bool] = []
     missing: list[tuple[int, ...]] = []
     position: dict[int, int] = {}  # batch index -> its position among the described ones
@@ -100,42 +152,69 @@ def describe(
         if not (as_shard or as_replica):
             continue
         position[batch.index] = len(position)
-        described.append(
-            (
-                "shard" if as_shard else "replica",
-                layout.rows,
-                layout.cols,
-                # Python's hash of ints and tuples is the same in every process; the repr
-                # of a 1024-rank group's pieces would be 50 kB per batch. Replicas see
-                # their shard groups through mesh positions (below), not group numbering.
-                hash(layout.pieces) if as_shard else None,
-                batch.num_matrices,
-                batch.owners if as_shard else None,
-                batch.partitions,
-                batch.eps,
-                batch.replica,
-                # A replica's shard group differs from its peers' only by its ranks.
-                None if as_shard or layout.group is None else _shard_group_seen_by_replicas(layout),
-                (layout.local_rows, layout.local_cols) if as_replica else None,
-                layout.replicas.size if layout.replicas is not None else None,
-            )
-        )
+        described.append(_batch_entry(batch, position[batch.index], as_shard))
         for segment in batch.segments:
             param = params[segment.param_index]
             group = param_groups[group_of[segment.param_index]]
             described.append(
                 (
-                    str(param.dtype),
-                    segment.count,
-                    tuple(_value(group[key]) for key in UPDATE_KEYS),
+                    f"a parameter of batch {position[batch.index]}",
+                    (
+                        ("dtype", str(param.dtype)),
+                        ("matrices", segment.count),
+                        *((key, _value(group[key])) for key in UPDATE_KEYS),
+                    ),
                 )
             )
             present = param.grad is not None
             flags.append(present)
             if not present:
                 missing.append(tuple(param.shape))
-    described.append(collective_order(ops, batches, position))
+    order = collective_order(ops, batches, position)
+    described.append(("the order of the step's collectives", (("order", tuple(order)),)))
     return described, flags, missing
+
+
+def _by_value(values: Sequence[object], ranks: Sequence[int], limit: int = 4) -> str:
+    """``"rank 0, 1: a; rank 2: b"``, at most ``limit`` distinct values."""
+    groups: dict[str, list[int]] = {}
+    for value, rank in zip(values, ranks):
+        groups.setdefault(repr(value), []).append(rank)
+    shown = [
+        f"rank{'s' if len(members) > 1 else ''} {_rank_list(members)}: {value}"
+        for value, members in list(groups.items())[:limit]
+    ]
+    if len(groups) > limit:
+        shown.append(f"{len(groups) - limit} more values")
+    return "; ".join(shown)
+
+
+def _rank_list(ranks: Sequence[int], limit: int = 8) -> str:
+    text = ", ".join(map(str, ranks[:limit]))
+    return text + (f", … ({len(ranks)} ranks)" if len(ranks) > limit else "")
+
+
+def first_difference(descriptions: Sequence[Sequence[Entry]], ranks: Sequence[int]) -> str:
+    """Name the first item on which the members' descriptions differ, field by field.
+
+    ``descriptions[i]``: what global rank ``ranks[i]`` described (:func:`describe`).
+    """
+    for i in range(min(map(len, descriptions))):
+        entries = [d[i] for d in descriptions]
+        if all(e == entries[0] for e in entries):
+            continue
+        labels = [label for label, _ in entries]
+        names = [tuple(name for name, _ in fields) for _, fields in entries]
+        if len(set(labels)) > 1 or len(set(names)) > 1:
+            return f"item {i} of the step: {_by_value(labels, ranks)}"
+        differing = []
+        for k, name in enumerate(names[0]):
+            values = [fields[k][1] for _, fields in entries]
+            if any(v != values[0] for v in values):
+                differing.append(f"{name} ({_by_value(values, ranks)})")
+        return f"{labels[0]}: {'; '.join(differing)}"
+    counts = [sum(label.startswith("batch ") for label, _ in d) for d in descriptions]
+    return f"the number of batches ({_by_value(counts, ranks)})"
 
 
 def collective_order(
@@ -193,17 +272,18 @@ def check_agreement(
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group.process_group)
         high_plan, low_plan, high_grads, low_grads = local.tolist()
         if high_plan != -low_plan:
+            # Every member saw the same verdict, so all of them join this gather: a second
+            # collective on the failure path only, to name what differs.
+            gathered: list = [None] * group.size
+            dist.all_gather_object(gathered, described, group=group.process_group)
             shapes = sorted({(b.layout.rows, b.layout.cols) for b in batches})
             errors.append(
                 f"the ranks of process group {list(group.ranks)} disagree on the Muon step: "
-                "they hold different parameters (shapes, placements, order), or different "
-                "settings (lr, weight_decay, mu, nesterov, epsilon, adjust_lr, update_rms, "
-                "Newton–Schulz coefficients, matrix_partitions, max_in_flight, workspace_bytes, "
-                "split_replicas, check_grads), or an order of collectives that differs (the "
-                "schedule of the step), or local shards laid out other than their "
+                f"{first_difference(gathered, group.ranks)}. Every rank must build and "
+                "configure the optimizer the same way: the same parameters (shapes, "
+                "placements, order) and settings, and local shards laid out as their "
                 "placements say (an uneven _StridedShard made by distribute_tensor instead of "
-                f"FSDP2). This rank's matrix shapes: {shapes}. Every rank must build and "
-                "configure the optimizer the same way"
+                f"FSDP2 is not). This rank's matrix shapes: {shapes}"
             )
         elif high_grads != -low_grads:
             errors.append(

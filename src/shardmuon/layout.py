@@ -191,18 +191,22 @@ def plan_batches(
             )
             size = max(1, size)
             if split_replicas and layout.replicas is not None:
-                # Enough batches that every replica gets a share of this shape's matrices.
-                size = min(size, -(-len(units) // layout.replicas.size))
+                # Enough batches that every replica gets a share of this shape's matrices
+                # (none for a stack that is empty here: an expert dim sharded past its size).
+                size = max(1, min(size, -(-len(units) // layout.replicas.size)))
             for start in range(0, len(units), size):
                 chunk = units[start : start + size]
                 local.append(MuonBatch(0, segments=_segments(chunk), **common))
     batches = exchanged + local
-    replica_pickers: dict[int, _OwnerPicker] = {}
+    # One picker per replica group: its members all see the same batches over it, while
+    # batches over other groups of the same size (an expert stack replicated over another
+    # mesh dim, empty on some ranks) differ from rank to rank.
+    replica_pickers: dict[tuple[int, ...], _OwnerPicker] = {}
     for i, batch in enumerate(batches):
         batch.index = i
         replicas = batch.layout.replicas
         if split_replicas and replicas is not None:
-            picker = replica_pickers.setdefault(replicas.size, _OwnerPicker(replicas.size))
+            picker = replica_pickers.setdefault(replicas.ranks, _OwnerPicker(replicas.size))
             cost = batch.num_matrices * newton_schulz_cost(
                 batch.layout.rows, batch.layout.cols, batch.partitions
             )

@@ -33,6 +33,7 @@ IMPLEMENTATIONS: tuple[str, ...] = (
     "shardmuon-compiled",
     "shardmuon-no-rotation",
     "shardmuon-split-replicas",
+    "shardmuon-check-always",
     "dion",
     "torch-muon",
     "adamw",
@@ -44,11 +45,14 @@ SHARDMUON_OPTIONS: dict[str, dict[str, Any]] = {
     "shardmuon-compiled": {"newton_schulz_impl": "compiled"},
     "shardmuon-no-rotation": {"rotate_owners": False},
     "shardmuon-split-replicas": {"split_replicas": True},
+    "shardmuon-check-always": {"check_grads": "always"},
 }
 # Run only when asked for (--impl), with why.
 DEFAULT_OFF: dict[str, str] = {
     "shardmuon-compiled": "opt-in (--impl shardmuon-compiled): torch.compile compiles every "
     "Newton-Schulz shape on first use (about 20 s each on a small CPU)",
+    "shardmuon-check-always": "opt-in (--impl shardmuon-check-always): the agreement check "
+    "on every step, the price of catching a grad that disappears on some ranks after step 1",
 }
 WEIGHT_DECAY = 0.1
 # A shardmuon impl with this suffix runs with ``offload="state"`` (``--offload``).
