@@ -108,7 +108,53 @@ def dcp_state_dict_round_trip(ctx: Context) -> None:
         assert torch.equal(local_tensor(p), local_tensor(q))
 
 
+def _shared_dir() -> str:
+    """A fresh folder, the same path on every rank (rank 0 makes it)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    path = [tempfile.mkdtemp(prefix="shardmuon-dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def prime_rl_in_place_dcp_resume_bitwise(ctx: Context) -> None:
+    """prime-rl's checkpoint path (issue #20): DCP saves ``optimizer.state_dict()`` and loads
+    *in place* into the tensors of a fresh optimizer's ``state_dict()``, never calling
+    ``load_state_dict`` (the param groups, and dion's group ``step``, are not restored).
+    The per-parameter ``step`` counters carry AdamW's bias correction over: steps 4-6 of
+    the resumed run are bitwise those of an uninterrupted one, with and without offload."""
+    import torch.distributed.checkpoint as dcp
+
+    for offload in (None, "state"):
+        reference = _model(ctx)
+        ref_opt = _optimizer(reference, offload=offload)
+        _train(reference, ref_opt, range(6))
+
+        model = _model(ctx)
+        opt = _optimizer(model, offload=offload)
+        _train(model, opt, range(3))
+        folder = _shared_dir()
+        dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=folder)
+
+        resumed_model = _model(ctx)
+        resumed = _optimizer(resumed_model, offload=offload)
+        loaded = {"model": resumed_model.state_dict(), "optimizer": resumed.state_dict()}
+        dcp.load(loaded, checkpoint_id=folder)
+        resumed_model.load_state_dict(loaded["model"])
+        assert [g["step"] for g in resumed.param_groups] == [0, 0]  # not restored, as in prime-rl
+        _train(resumed_model, resumed, range(3, 6))
+        assert [g["step"] for g in resumed.param_groups] == [6, 6], offload
+        for k, (p, q) in enumerate(zip(reference.parameters(), resumed_model.parameters())):
+            assert torch.equal(local_tensor(p), local_tensor(q)), f"offload={offload}: param {k}"
+            for key in ref_opt.state[p]:
+                a, b = ref_opt.state[p][key], resumed.state[q][key]
+                assert torch.equal(local_tensor(a), local_tensor(b)), f"param {k} state {key}"
+
+
 CASES: dict[str, Callable[[Context], None]] = {
+    "prime_rl_in_place_dcp_resume_bitwise": prime_rl_in_place_dcp_resume_bitwise,
     "bitwise_with_one_process": bitwise_with_one_process,
     "fully_shard_model_bitwise": fully_shard_model_bitwise,
     "dcp_state_dict_round_trip": dcp_state_dict_round_trip,

@@ -145,11 +145,18 @@ def assert_adamw_params_close(
 
 
 def assert_state_dict_like_dion(ours: dict[str, Any], dion: dict[str, Any]) -> None:
-    """Same ids, keys, group keys and values; tensors same shape/dtype and within tolerance."""
+    """Same ids, keys, group keys and values; tensors same shape/dtype and within tolerance.
+
+    Besides dion's keys, each of our entries has a ``step`` counter: the group's ``step``.
+    """
     assert ours["param_groups"] == dion["param_groups"]
     assert sorted(ours["state"]) == sorted(dion["state"])
+    group_steps = {i: g["step"] for g in ours["param_groups"] for i in g["params"]}
     for idx, dion_state in dion["state"].items():
-        our_state = ours["state"][idx]
+        our_state = dict(ours["state"][idx])
+        counter = our_state.pop("step")
+        assert counter.dtype == torch.float32 and counter.dim() == 0, f"state {idx}['step']"
+        assert counter.item() == group_steps[idx], f"state {idx}: counter {counter.item()}"
         assert sorted(our_state) == sorted(dion_state), f"state {idx}: keys differ"
         for key, theirs in dion_state.items():
             mine = our_state[key]
@@ -197,10 +204,11 @@ def test_state_dict_layout_and_values(
 
 
 def test_step_counter_is_a_group_int(ours: dict[str, Trajectory]) -> None:
+    """dion's group ``step`` int, mirrored in every parameter's ``step`` counter."""
     for k, sd in ours["A"].state_dicts.items():
         assert [type(g["step"]) for g in sd["param_groups"]] == [int] * 4
         assert [g["step"] for g in sd["param_groups"]] == [k] * 4
-        assert all("step" not in s for s in sd["state"].values())
+        assert all(s["step"].item() == k for s in sd["state"].values())
 
 
 def test_load_state_dict_roundtrips(case_a: dict[str, Any]) -> None:
@@ -212,7 +220,8 @@ def test_load_state_dict_roundtrips(case_a: dict[str, Any]) -> None:
     assert sd["param_groups"] == loaded["param_groups"]
     assert sorted(sd["state"]) == sorted(loaded["state"])
     for idx, state in loaded["state"].items():
-        assert sorted(sd["state"][idx]) == sorted(state)
+        assert sorted(sd["state"][idx]) == sorted([*state, "step"])  # the counter is made
+        assert sd["state"][idx]["step"].item() == 2
         for key, tensor in state.items():
             assert torch.equal(sd["state"][idx][key], tensor), f"{idx}[{key!r}]"
 

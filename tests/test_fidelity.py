@@ -1109,8 +1109,9 @@ def test_missing_state_entries_are_created_as_zeros() -> None:
     ref.state[ref_params[2]]["momentum"].zero_()
     ref.state[ref_params[2]]["variance"].zero_()
     opt.load_state_dict(sd)
-    assert _state_keys(opt, params[0]) == ["momentum"]
-    assert _state_keys(opt, params[2]) == ["momentum", "variance"]
+    assert _state_keys(opt, params[0]) == ["momentum", "step"]
+    assert _state_keys(opt, params[2]) == ["momentum", "step", "variance"]
+    assert opt.state[params[0]]["step"].item() == 1  # made from the group's step
     for i, key in ((0, "momentum"), (2, "momentum"), (2, "variance")):
         value = opt.state[params[i]][key]
         assert value.shape == params[i].shape and value.dtype == params[i].dtype

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -109,13 +110,16 @@ def test_partitions_of_a_foreign_parameter() -> None:
 
 
 def test_state_is_created_eagerly_with_dion_keys() -> None:
+    """dion's keys plus a ``step`` counter per parameter (a 0-d float32 CPU tensor)."""
     ps = _params()
     opt = Muon(_groups(ps))
     sd = opt.state_dict()
     assert sorted(sd["state"]) == [0, 1, 2, 3]
-    assert [sorted(sd["state"][i]) for i in range(4)] == [["momentum"]] * 3 + [
-        ["momentum", "variance"]
+    assert [sorted(sd["state"][i]) for i in range(4)] == [["momentum", "step"]] * 3 + [
+        ["momentum", "step", "variance"]
     ]
+    counter = sd["state"][0]["step"]
+    assert counter.dtype == torch.float32 and counter.dim() == 0 and counter.device.type == "cpu"
     keys = {"lr", "mu", "beta1", "beta2", "weight_decay", "algorithm", "step"}
     keys |= {"epsilon", "nesterov", "flatten", "adjust_lr", "params"}
     assert all(set(g) == keys for g in sd["param_groups"])
@@ -248,7 +252,87 @@ def test_loads_a_microsoft_dion_state_dict() -> None:
     fresh = Muon(_groups(_params()))
     fresh.load_state_dict(sd)
     assert all(g["cautious_wd"] is False for g in fresh.state_dict()["param_groups"])
-    assert sorted(fresh.state_dict()["state"][3]) == ["momentum", "variance"]
+    assert sorted(fresh.state_dict()["state"][3]) == ["momentum", "step", "variance"]
     sd["param_groups"][1]["cautious_wd"] = True
     with pytest.raises(ValueError, match=r"state dict: param group 1 has cautious_wd=True"):
         fresh.load_state_dict(sd)
+
+
+def _copy_in_place(target: dict, source: dict) -> None:
+    """What DCP's load does to ``target = opt.state_dict()``: its tensors overwritten in
+    place; the dict's other values replaced, which never reaches the optimizer's groups."""
+    for index, entry in source["state"].items():
+        for key, value in entry.items():
+            target["state"][index][key].copy_(value)
+    target["param_groups"] = source["param_groups"]
+
+
+@pytest.mark.parametrize("offload", [None, "state"])
+def test_a_state_loaded_in_place_resumes_bitwise_with_its_step_count(offload) -> None:
+    """prime-rl's resume path (no ``load_state_dict``): the counters restore the step, so
+    AdamW's bias correction continues; an uninterrupted run is matched bit for bit."""
+    ps, twin = _params(), _params()
+    opt, ref = Muon(_groups(ps), offload=offload), Muon(_groups(twin), offload=offload)
+    for seed in range(3):
+        for params, o in ((ps, opt), (twin, ref)):
+            _set_grads(params, seed)
+            o.step()
+    saved = copy.deepcopy(opt.state_dict())
+    fresh_ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    fresh = Muon(_groups(fresh_ps), offload=offload)
+    _copy_in_place(fresh.state_dict(), saved)
+    assert [g["step"] for g in fresh.param_groups] == [0, 0]
+    for seed in range(3, 5):
+        for params, o in ((fresh_ps, fresh), (twin, ref)):
+            _set_grads(params, seed)
+            o.step()
+    assert [g["step"] for g in fresh.param_groups] == [5, 5]
+    for p, q in zip(fresh_ps, twin):
+        assert torch.equal(p, q)
+        assert all(torch.equal(fresh.state[p][k], ref.state[q][k]) for k in ref.state[q])
+
+
+def test_an_edited_group_step_wins_over_the_counters() -> None:
+    """The counters only override the group's ``step`` when they were loaded in place; a
+    user who sets ``group["step"]`` (to restart AdamW's bias correction) is obeyed."""
+    ps = _params()
+    opt = Muon(_groups(ps))
+    _set_grads(ps, 0)
+    opt.step()
+    opt.param_groups[1]["step"] = 0
+    opt.step()
+    assert [g["step"] for g in opt.param_groups] == [2, 1]
+    assert opt.state[ps[3]]["step"].item() == 1 and opt.state[ps[0]]["step"].item() == 2
+
+
+@pytest.mark.parametrize(
+    ("counter", "error", "pattern"),
+    [
+        (torch.tensor([1.0, 2.0]), ValueError, r"state 'step' must hold one real number"),
+        (torch.tensor(-1.0), ValueError, r"state .step. must be a whole number >= 0, got -1\.0"),
+        (torch.tensor(1.5), ValueError, r"state .step. must be a whole number >= 0, got 1\.5"),
+        ("3", TypeError, r"state 'step' must be a number, got str"),
+    ],
+)
+def test_a_bad_step_counter_is_refused_on_load(counter, error, pattern) -> None:
+    ps = _params()
+    opt = Muon(_groups(ps))
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][3]["step"] = counter
+    with pytest.raises(error, match=rf"param group 1 parameter 0: {pattern}"):
+        opt.load_state_dict(sd)
+    assert opt.state[ps[3]]["step"].item() == 0  # nothing loaded
+
+
+def test_a_dion_state_dict_without_counters_makes_them_from_the_group_step() -> None:
+    ps = _params()
+    opt = Muon(_groups(ps))
+    _set_grads(ps, 0)
+    opt.step()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    for entry in sd["state"].values():
+        del entry["step"]
+    fresh = Muon(_groups(_params()))
+    fresh.load_state_dict(sd)
+    assert [fresh.state[p]["step"].item() for p in fresh.param_groups[1]["params"]] == [2.0]

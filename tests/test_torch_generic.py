@@ -109,6 +109,17 @@ def set_grads(ps: list[Tensor], grads: list[Tensor]) -> None:
         p.grad = g.clone()
 
 
+def dion_state(opt: Muon, p: Tensor) -> list[Tensor]:
+    """``p``'s state tensors under dion's keys (without shardmuon's ``step`` counter, which
+    counts the group's steps for every parameter, with a grad or not)."""
+    return [v for k, v in opt.state[p].items() if k != "step"]
+
+
+def without_counters(state: dict) -> dict:
+    """A state dict's ``state`` without the ``step`` counters."""
+    return {i: {k: v for k, v in entry.items() if k != "step"} for i, entry in state.items()}
+
+
 def params_of(opt: Muon) -> list[Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]
 
@@ -720,7 +731,7 @@ def test_load_state_dict_post_hook_sees_the_loaded_optimizer() -> None:
         lambda o: seen.append([sorted(o.state[p]) for p in params_of(o)])
     )
     fresh.load_state_dict(sd)
-    expected = [["momentum"]] * 3 + [["momentum", "variance"]]
+    expected = [["momentum", "step"]] * 3 + [["momentum", "step", "variance"]]
     assert [sorted(fresh.state[p]) for p in fresh_ps] == expected
     assert seen == [expected]
 
@@ -753,9 +764,12 @@ def test_zero_grad(set_to_none: bool) -> None:
     assert_bitwise(ps, before)
     steps = 2 if set_to_none else 1
     assert [g["step"] for g in opt.param_groups] == [steps, steps]
-    assert_same(opt.state_dict()["state"], state_before["state"])
+    assert_same(
+        without_counters(opt.state_dict()["state"]), without_counters(state_before["state"])
+    )
+    assert all(opt.state[p]["step"].item() == steps for p in ps)
     if not set_to_none:
-        assert all(torch.count_nonzero(v) == 0 for p in ps for v in opt.state[p].values())
+        assert all(torch.count_nonzero(v) == 0 for p in ps for v in dion_state(opt, p))
 
 
 SUBSETS = {
@@ -799,8 +813,9 @@ def test_params_without_grad_are_skipped(subset: str) -> None:
             assert_bitwise([p.detach()], [ref_ps[with_grad.index(i)].detach()])
         else:
             assert_bitwise([p.detach()], [initial[i]])
-            assert all(torch.count_nonzero(v) == 0 for v in opt.state[p].values())
+            assert all(torch.count_nonzero(v) == 0 for v in dion_state(opt, p))
     assert [g["step"] for g in opt.param_groups] == [3, 3]
+    assert all(opt.state[p]["step"].item() == 3 for p in ps)  # dion: the group's count
 
 
 def test_closure() -> None:
@@ -1032,7 +1047,7 @@ def test_dtypes(dtype_name: str) -> None:
         ref.step()
     assert [p.dtype for p in ps] == dtypes
     for p in ps:
-        assert all(v.dtype == p.dtype for v in opt.state[p].values())
+        assert all(v.dtype == p.dtype for v in dion_state(opt, p))
     for i, (p, r, x0) in enumerate(zip(ps, ref_ps, initial)):
         delta = (r.detach() - x0).norm()
         err = (p.detach().double() - r.detach()).norm() / delta
@@ -1044,7 +1059,7 @@ def test_dtypes(dtype_name: str) -> None:
     step_both([(src, src_ps)], 0)
     opt.load_state_dict(copy.deepcopy(src.state_dict()))
     for p in ps:
-        assert all(v.dtype == p.dtype for v in opt.state[p].values())
+        assert all(v.dtype == p.dtype for v in dion_state(opt, p))
     step_both([(opt, ps)], 3)
     assert all(torch.isfinite(p).all() for p in ps)
 

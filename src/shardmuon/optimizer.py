@@ -228,6 +228,8 @@ class Muon(Optimizer):
         self._pending: dict[int, Any] = {}
         self._broken: str | None = None  # why the open step_chunk round cannot go on
         self._state_stager: StateStager | None = None
+        # Per group: the count its parameters' ``step`` counters were last given.
+        self._counted_steps: dict[int, int] = {}
         self.last_step_stats = StepStats()
 
     def _check_options(self) -> None:
@@ -339,8 +341,15 @@ class Muon(Optimizer):
         self._plan_verified = False
 
     def _init_state(self) -> None:
-        """Create state for every parameter now: DCP needs the same keys on every rank."""
-        for group in self.param_groups:
+        """Create state for every parameter now: DCP needs the same keys on every rank.
+
+        Besides dion's keys, each parameter has a ``step`` counter (a 0-d float32 CPU
+        tensor, as in ``torch.optim``) that mirrors its group's ``step``: a checkpoint
+        loaded in place into the tensors of ``state_dict()`` (DCP without
+        ``load_state_dict``, as prime-rl's loader does) restores the count through it.
+        """
+        for index, group in enumerate(self.param_groups):
+            counted = self._counted_steps.get(index)
             for p in group["params"]:
                 state = self.state[p]
                 keys = ("momentum", "variance") if group["algorithm"] == "adamw" else ("momentum",)
@@ -351,6 +360,28 @@ class Muon(Optimizer):
                     elif isinstance(p, DTensor) and not isinstance(value, DTensor):
                         value = _distribute_like(value, p)
                     state[key] = self._placed(value, p)
+                counter = state.get("step")
+                if counted is None or not _is_step_counter(counter):
+                    state["step"] = _step_counter(group["step"], counter)
+            if counted is None:
+                self._counted_steps[index] = group["step"]
+
+    def _advance_step_counters(self) -> None:
+        """Every group's ``step`` and its parameters' counters advance by one.
+
+        A counter that no longer holds what this optimizer last wrote was loaded in place
+        (see :meth:`_init_state`): the loaded count is the group's.
+        """
+        for index, group in enumerate(self.param_groups):
+            counters = [self.state[p]["step"] for p in group["params"]]
+            loaded = int(counters[0].item()) if counters else None
+            if loaded is not None and loaded != self._counted_steps.get(index, loaded):
+                group["step"] = loaded
+            group["step"] += 1
+            self._counted_steps[index] = group["step"]
+            if counters:
+                torch._foreach_zero_(counters)
+                torch._foreach_add_(counters, float(group["step"]))
 
     def _placed(self, value: Tensor, param: Tensor) -> Tensor:
         """State where it lives: in (pinned) host memory with offload, else with its param."""
@@ -570,8 +601,7 @@ class Muon(Optimizer):
         ):
             self._check_agreement()
             self._plan_verified = True
-        for group in self.param_groups:
-            group["step"] += 1
+        self._advance_step_counters()
         self.last_step_stats = StepStats()
 
     def _check_agreement(self) -> None:
@@ -725,6 +755,7 @@ class Muon(Optimizer):
             if isinstance(state, dict):
                 for key in DROPPED_KEYS:
                     state.pop(key, None)
+        self._counted_steps.clear()  # a whole load: the loaded groups' counts rule
         self._init_state()
         self._pending.clear()
         self._round, self._broken = None, None  # a broken round ends with the restore
@@ -846,3 +877,21 @@ def _unreplayable(key: int, error: BaseException) -> str:
 def _communicates(chunk: Chunk) -> bool:
     """Whether stepping ``chunk`` runs a collective (an all-to-all or a replica broadcast)."""
     return isinstance(chunk, MuonBatch) and (chunk.layout.exchanged or chunk.replica is not None)
+
+
+def _is_step_counter(value: object) -> bool:
+    return (
+        isinstance(value, Tensor)
+        and not isinstance(value, DTensor)
+        and value.dtype == torch.float32
+        and value.device.type == "cpu"
+        and value.dim() == 0
+    )
+
+
+def _step_counter(step: int, current: object) -> Tensor:
+    """``current`` if it is a counter (given the value ``step``), else a new one."""
+    if _is_step_counter(current):
+        current.fill_(float(step))
+        return current
+    return torch.tensor(float(step), dtype=torch.float32)

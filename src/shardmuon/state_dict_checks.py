@@ -22,6 +22,9 @@ __all__ = ["DROPPED_KEYS", "STATE_KEYS", "checked_groups"]
 
 # The state a parameter has under each algorithm (dion's keys).
 STATE_KEYS = {"muon": {"momentum"}, "adamw": {"momentum", "variance"}}
+# shardmuon's per-parameter step counter: optional on load (dion has none; it is made from
+# the group's ``step``).
+OPTIONAL_KEYS = {"step"}
 # Keys other dion versions add that shardmuon drops on load (microsoft/dion's AdamW
 # ``step_dev`` device counter duplicates the group's ``step``).
 DROPPED_KEYS = {"step_dev"}
@@ -117,12 +120,14 @@ def _check_entry(where: str, entry: Any, param: Tensor, algorithm: str) -> None:
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: saved state must be a dict, got {type(entry).__name__}")
     expected = STATE_KEYS[algorithm]
-    keys = set(entry) - DROPPED_KEYS
+    keys = set(entry) - DROPPED_KEYS - OPTIONAL_KEYS
     if keys != expected:
         raise ValueError(
             f"{where} ({algorithm!r}): saved state has keys {sorted(keys)}, expected "
-            f"{sorted(expected)}"
+            f"{sorted(expected)} (and optionally {sorted(OPTIONAL_KEYS)})"
         )
+    if "step" in entry:
+        _check_step(where, entry["step"])
     for key in sorted(expected):
         value = entry[key]
         label = f"{where}: state {key!r}"
@@ -150,3 +155,18 @@ def _check_entry(where: str, entry: Any, param: Tensor, algorithm: str) -> None:
                     f"{value.device_mesh}, the parameter {tuple(param.placements)} on mesh "
                     f"{param.device_mesh}"
                 )
+
+
+def _check_step(where: str, value: Any) -> None:
+    """A saved step counter: a whole number >= 0, as a number or a one-element tensor."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise ValueError(
+                f"{where}: state 'step' must hold one real number, got a tensor of shape "
+                f"{tuple(value.shape)} and dtype {value.dtype}"
+            )
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: state 'step' must be a number, got {type(value).__name__}")
+    if not (value >= 0 and float(value).is_integer()):
+        raise ValueError(f"{where}: state 'step' must be a whole number >= 0, got {value!r}")

@@ -59,8 +59,9 @@ def dion_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, step: in
     """
     model_sd = {name: _full(p) for name, p in model.named_parameters()}
     optim_sd = optimizer.state_dict()
+    # dion's keys only: shardmuon's per-parameter ``step`` counter repeats the group's.
     state = {
-        idx: {key: _full(value) for key, value in per_param.items()}
+        idx: {key: _full(value) for key, value in per_param.items() if key != "step"}
         for idx, per_param in sorted(optim_sd["state"].items())
     }
     groups = [dict(group) for group in optim_sd["param_groups"]]
@@ -152,13 +153,18 @@ def load_dion_checkpoint(blob: dict, model: nn.Module, optimizer: torch.optim.Op
             name = names.get(id(param), f"param {my_id}")
             their_state = saved["state"].get(their_id)
             wanted = ours["state"].get(my_id, {})
-            lacking = [k for k in wanted if their_state is None or k not in their_state]
+            # The step counter is shardmuon's own: dion's group ``step`` makes it.
+            lacking = [
+                k for k in wanted if k != "step" and (their_state is None or k not in their_state)
+            ]
             if lacking:
                 raise CheckpointError(
                     f"dion checkpoint has no optimizer state {lacking} for {name} (id {their_id})"
                 )
             new_state[my_id] = {}
             for key, ref in wanted.items():
+                if their_state is None or key not in their_state:
+                    continue
                 value = their_state[key]
                 if isinstance(ref, Tensor) and isinstance(value, Tensor):
                     if tuple(value.shape) != tuple(ref.shape):
