@@ -308,10 +308,10 @@ def test_an_edited_group_step_wins_over_the_counters() -> None:
 @pytest.mark.parametrize(
     ("counter", "error", "pattern"),
     [
-        (torch.tensor([1.0, 2.0]), ValueError, r"state 'step' must hold one real number"),
-        (torch.tensor(-1.0), ValueError, r"state .step. must be a whole number >= 0, got -1\.0"),
+        (torch.tensor([1.0, 2.0]), ValueError, r"state 'step' must be a number or a 1-element"),
+        (torch.tensor(-1.0), ValueError, r"state 'step' must be a finite number >= 0, got -1\.0"),
         (torch.tensor(1.5), ValueError, r"state .step. must be a whole number >= 0, got 1\.5"),
-        ("3", TypeError, r"state 'step' must be a number, got str"),
+        ("3", TypeError, r"state 'step' must be a number, got '3'"),
     ],
 )
 def test_a_bad_step_counter_is_refused_on_load(counter, error, pattern) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from shardmuon.validation import check_group
+from shardmuon.validation import check_group, check_number
 
 __all__ = ["DROPPED_KEYS", "STATE_KEYS", "checked_groups"]
 
@@ -159,14 +159,7 @@ def _check_entry(where: str, entry: Any, param: Tensor, algorithm: str) -> None:
 
 def _check_step(where: str, value: Any) -> None:
     """A saved step counter: a whole number >= 0, as a number or a one-element tensor."""
-    if isinstance(value, Tensor):
-        if value.numel() != 1 or value.is_complex():
-            raise ValueError(
-                f"{where}: state 'step' must hold one real number, got a tensor of shape "
-                f"{tuple(value.shape)} and dtype {value.dtype}"
-            )
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{where}: state 'step' must be a number, got {type(value).__name__}")
-    if not (value >= 0 and float(value).is_integer()):
-        raise ValueError(f"{where}: state 'step' must be a whole number >= 0, got {value!r}")
+    check_number(f"{where}: state 'step'", value)
+    number = value.item() if isinstance(value, Tensor) else value
+    if not float(number).is_integer():
+        raise ValueError(f"{where}: state 'step' must be a whole number >= 0, got {number!r}")
