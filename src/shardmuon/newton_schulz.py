@@ -26,6 +26,8 @@ from torch import Tensor
 
 __all__ = [
     "NS_PRESETS",
+    "POLAR_EXPRESS_PAPER",
+    "POLAR_EXPRESS_SAFETY",
     "Coefficients",
     "newton_schulz",
     "newton_schulz_compiled",
@@ -33,6 +35,7 @@ __all__ = [
     "newton_schulz_reference",
     "newton_schulz_unfolded",
     "resolve_coefficients",
+    "with_input_scaled",
 ]
 
 Coefficients = tuple[tuple[float, float, float], ...]
@@ -54,20 +57,37 @@ _DEEPSEEK_V4: Coefficients = ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5
 # Polar Express, 5 steps: Amsel, Persson, Musco, Gower, "The Polar Express: Optimal
 # Matrix Sign Methods and Their Application to the Muon Algorithm", arXiv:2505.16932
 # (2025); the set computed for num_iters=5, safety_factor=2e-2, cushion=2, as shipped
-# by microsoft/dion (dion/polar_express.py).
-_POLAR_EXPRESS: Coefficients = (
+# by microsoft/dion (dion/polar_express.py). Those coefficients assume the input's spectral
+# norm is at most 1 with a margin: the reference implementations (microsoft/dion,
+# modded-nanogpt) divide by ||X||_F * (1 + 2e-2), not by ||X||_F.
+POLAR_EXPRESS_PAPER: Coefficients = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
     (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
+POLAR_EXPRESS_SAFETY = 1.02
+
+
+def with_input_scaled(coefficients: Coefficients, scale: float) -> Coefficients:
+    """The schedule that, on ``X``, computes what ``coefficients`` compute on ``X / scale``.
+
+    The first step ``a X + b X^3 + c X^5`` of ``X / scale`` is ``(a / s) X + (b / s^3) X^3 +
+    (c / s^5) X^5``: folding a normalisation factor into the first triple costs nothing at
+    run time and leaves the later steps as they are (exact in exact arithmetic; the one
+    difference is where ``eps`` sits, ``||X|| s + s eps`` instead of ``||X|| s + eps``).
+    """
+    (a, b, c), rest = coefficients[0], coefficients[1:]
+    return ((a / scale, b / scale**3, c / scale**5), *rest)
+
 
 NS_PRESETS: dict[str, Coefficients] = {
     "dion": _DION,
     "keller": _KELLER,
     "deepseek-v4": _DEEPSEEK_V4,
-    "polar-express": _POLAR_EXPRESS,
+    # The paper's schedule with the references' 1.02 normalisation margin folded in.
+    "polar-express": with_input_scaled(POLAR_EXPRESS_PAPER, POLAR_EXPRESS_SAFETY),
 }
 DEFAULT_PRESET = "dion"
 
