@@ -1071,3 +1071,52 @@ def test_no_warnings_on_a_plain_step() -> None:
         warnings.simplefilter("error")
         step_both([(opt, ps)], 0)
         opt.state_dict()
+
+
+# ---------------------------------------------------------------- momentum schedulers
+
+
+def _cycling_schedulers():
+    from torch.optim.lr_scheduler import CyclicLR, OneCycleLR
+
+    return {
+        "OneCycleLR": lambda opt: OneCycleLR(opt, max_lr=0.05, total_steps=8),
+        "CyclicLR": lambda opt: CyclicLR(opt, base_lr=0.001, max_lr=0.05, step_size_up=3),
+    }
+
+
+@pytest.mark.parametrize("name", ["OneCycleLR", "CyclicLR"])
+def test_momentum_cycling_schedulers_change_what_the_step_uses(name) -> None:
+    """issue #20: torch's OneCycleLR and CyclicLR with their default ``cycle_momentum=True``
+    (they raised "optimizer must support momentum or beta1"). Each step must use the
+    scheduler's lr and momentum: Muon's ``mu`` and AdamW's ``beta1``, bit for bit like an
+    optimizer given those values by hand."""
+    ps, twin = make_params(), make_params()
+    opt, ref = make_opt(ps), make_opt(twin)
+    scheduler = _cycling_schedulers()[name](opt)
+    momenta = []
+    for step in range(6):
+        for group, ref_group in zip(opt.param_groups, ref.param_groups):
+            ref_group["lr"] = group["lr"]
+            key = "beta1" if group["algorithm"] == "adamw" else "mu"
+            ref_group[key] = group["momentum"]
+        momenta.append(opt.param_groups[0]["momentum"])
+        grads = grads_for(step, ps)
+        set_grads(ps, grads)
+        set_grads(twin, grads)
+        opt.step()
+        ref.step()
+        scheduler.step()
+        assert_bitwise(ps, twin)
+    assert len(set(momenta)) > 2  # it really cycled
+
+
+def test_groups_have_dion_keys_until_a_scheduler_sets_momentum() -> None:
+    ps = make_params()
+    opt = make_opt(ps)
+    assert all("momentum" not in g for g in opt.param_groups)
+    opt.add_param_group({"params": [Parameter(torch.zeros(3))], "algorithm": "adamw"})
+    assert "momentum" not in opt.param_groups[-1]
+    opt.param_groups[0]["momentum"] = 1.5
+    with pytest.raises(ValueError, match=r"param group 0: momentum \(the alias of mu / beta1\)"):
+        opt.step()

@@ -48,6 +48,8 @@ from shardmuon.plan import AdamWChunk, ChunkInfo, Plan, build_plan, plan_setting
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.telemetry import StepStats
 from shardmuon.validation import (
+    MOMENTUM_ALIAS,
+    apply_momentum_alias,
     check_adjust_lr,
     check_grads,
     check_group,
@@ -215,6 +217,11 @@ class Muon(Optimizer):
         self._raw_partitions = dict(matrix_partitions or {})
         self._reset_runtime()
         super().__init__(params, defaults)
+        # torch's OneCycleLR/CyclicLR (cycle_momentum=True) need "momentum" in the defaults
+        # and then write group["momentum"]: an alias of mu (muon) / beta1 (adamw), see
+        # validation.apply_momentum_alias. It is added after the groups, so that a group
+        # only has the key once a scheduler (or the user) sets it: dion's keys otherwise.
+        self.defaults[MOMENTUM_ALIAS] = None
         self._ensure_plan()
         if warmup:
             self.warmup()
@@ -283,7 +290,10 @@ class Muon(Optimizer):
             raise RuntimeError(
                 "add_param_group during a step_chunk round; step the remaining chunks first"
             )
+        given_alias = MOMENTUM_ALIAS in param_group
         super().add_param_group(param_group)
+        if not given_alias:
+            self.param_groups[-1].pop(MOMENTUM_ALIAS, None)
         if self._plan_settings is None:  # the constructor plans once, after all groups
             return
         try:
@@ -324,6 +334,7 @@ class Muon(Optimizer):
         """
         self._check_options()
         for index, group in enumerate(self.param_groups):
+            apply_momentum_alias(index, group)
             check_group_settings(index, group)
         settings = self._current_settings()
         if settings == self._plan_settings:

@@ -19,6 +19,8 @@ from shardmuon.update import ADJUST_LR_CHOICES
 
 __all__ = [
     "ALGORITHMS",
+    "MOMENTUM_ALIAS",
+    "apply_momentum_alias",
     "check_grads",
     "check_group",
     "check_group_settings",
@@ -58,6 +60,23 @@ def check_adjust_lr(where: str, adjust_lr: Any) -> None:
             f"{where}unknown adjust_lr {adjust_lr!r}; accepted: 'rms_norm', 'spectral_norm', "
             "'keller_muon' or None"
         )
+
+
+# The key torch's OneCycleLR/CyclicLR write when they cycle momentum (optimizers without
+# "betas" in their defaults get group["momentum"]).
+MOMENTUM_ALIAS = "momentum"
+
+
+def apply_momentum_alias(index: int, group: dict) -> None:
+    """A group's ``momentum`` (when it has one that is not ``None``) is its momentum
+    coefficient: copied into ``mu`` (muon) or ``beta1`` (adamw) before each step, so a
+    scheduler cycling it changes what the step uses. It rules over a ``mu``/``beta1`` set
+    by hand while present."""
+    value = group.get(MOMENTUM_ALIAS)
+    if value is None:
+        return
+    check_number(f"param group {index}: momentum (the alias of mu / beta1)", value, 1.0)
+    group["beta1" if group.get("algorithm") == "adamw" else "mu"] = value
 
 
 def check_group_settings(index: int, group: dict) -> None:
