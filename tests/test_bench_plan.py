@@ -171,8 +171,12 @@ def tiny_base():
         ("fsdp", 6, None, [0, 4]),
         # 8 experts over 16 ranks: half hold none; kv rows 128 / 16.
         ("fsdp", 16, None, [0, 8]),
+        # EP 4 x DP 2 over 8 experts: one whole expert per rank (FSDP's _StridedShard).
         ("ep", 8, (4, 2), [0]),
-        ("ep", 6, (2, 3), [0]),
+        # EP 2 x DP 3: 4 experts per EP rank, FSDP's chunks 2/2/0: ranks 4 and 5 hold none.
+        ("ep", 6, (2, 3), [0, 4]),
+        # EP 8 x DP 2 over 8 experts: more ranks than experts, so FSDP shards the rows.
+        ("ep", 16, (8, 2), [0]),
         ("hsdp", 6, (2, 3), [0, 2]),
         ("none", 3, None, [0]),
     ],
@@ -257,7 +261,7 @@ def test_plan_writes_json_png_and_a_table(tmp_path, capsys):
         (["--world-size", "8", "--mesh", "2xq"], "bad --mesh '2xq'"),
         (
             ["--layout", "ep", "--world-size", "8,16", "--mesh", "4x2,4x2"],
-            "has 8 ranks but the world size is 16",
+            "--mesh 4x2 has 8 ranks, but --world-size 16: the mesh dims must multiply to 16",
         ),
         (["--layers", "0"], "--layers must be >= 1, got 0"),
         (["--json", "."], "--json .: is a directory"),

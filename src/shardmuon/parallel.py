@@ -8,10 +8,16 @@ Layouts (``world_size`` = number of processes):
   expert dim.
 - ``hsdp``: the same on a 2-D mesh ``("dp_replicate", "dp_shard")``: placements
   ``(Replicate(), Shard(0))``.
-- ``ep``: expert stacks (3-D params) on a 2-D mesh ``("ep", "dp")`` with placements
-  ``(Shard(0), Shard(1))`` (experts split over ``ep``, then rows over ``dp``); every other
-  param ``Shard(0)`` over a 1-D mesh of all ranks. Built with ``distribute_tensor``: it gives
-  params and grads their layout, which is all the optimizer benchmark needs (no forward).
+- ``ep``: expert parallel as torchtitan and prime-rl build it (``--mesh EPxDP``): a mesh
+  ``("dp_shard_mod_ep", "ep")`` of shape ``(DP, EP)`` (the ranks of an EP group adjacent),
+  expert stacks split on the expert dim over ``ep`` (``distribute_tensor(Shard(0))``, as
+  torchtitan's ``ExpertParallel``), then each ``experts`` module ``fully_shard`` over
+  ``dp_shard_mod_ep`` with torchtitan's placement rule: the expert dim again
+  (``(_StridedShard(0, sf=EP), Shard(0))``: every rank holds whole experts) while
+  ``DP x EP`` does not exceed the expert count, else the rows (``(Shard(1), Shard(0))``).
+  Every other param is FSDP2 over all ranks (the flattened mesh ``dp_shard``). Gives params
+  and grads their layout, which is all the optimizer benchmark needs (no forward: that
+  needs the token all-to-all of a real EP model).
 - ``fsdp-tp``: torchtitan's 2-D layout on a mesh ``("dp", "tp")``: tensor parallel over
   ``tp`` (``parallelize_module``: ``ColwiseParallel`` for ``q/k/v_proj`` and the MLPs'
   ``gate_proj``/``up_proj``, ``RowwiseParallel`` for ``o_proj``/``down_proj``; the token
@@ -39,6 +45,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "EP_MESH_DIM_NAMES",
     "EXPERT_MESH_NAME",
     "LAYOUTS",
     "AppliedLayout",
@@ -46,6 +53,7 @@ __all__ = [
     "apply_layout",
     "decoder_layers",
     "expert_modules",
+    "experts_shard_placement",
     "parse_mesh_shape",
     "plan_layout",
     "tensor_parallel_plan",
@@ -53,6 +61,8 @@ __all__ = [
 
 LAYOUTS: tuple[str, ...] = ("none", "fsdp", "hsdp", "ep", "fsdp-tp")
 EXPERT_MESH_NAME = "ep"
+# The ep layout's mesh, torchtitan's names: FSDP outside, EP inside (adjacent ranks).
+EP_MESH_DIM_NAMES = ("dp_shard_mod_ep", "ep")
 
 _MESH_DIM_NAMES: dict[str, tuple[str, ...]] = {
     "none": (),
@@ -116,7 +126,8 @@ def plan_layout(
     """Check ``layout`` for ``world_size`` processes; fill in the default mesh shape.
 
     ``mesh_shape`` is ``(world_size,)`` for ``fsdp``, ``(replicate, shard)`` for ``hsdp``,
-    ``(ep, dp)`` for ``ep`` and ``(dp, tp)`` for ``fsdp-tp``; its product must equal
+    ``(ep, dp)`` for ``ep`` (the mesh itself is laid out ``(dp, ep)``, see the module
+    docstring) and ``(dp, tp)`` for ``fsdp-tp``; its product must equal
     ``world_size``. Raises
     ``ValueError`` naming what was given and what is accepted.
     """
@@ -231,10 +242,12 @@ def apply_layout(
         _fully_shard(model, mesh["dp"])
         meshes = {"dp": mesh["dp"], "tp": mesh["tp"], "dp_tp": mesh, "experts": experts_mesh}
         return AppliedLayout(plan, model, meshes)
-    expert_mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
-    dense_mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_shard",))
-    _distribute_expert_parallel(model, expert_mesh, dense_mesh)
-    return AppliedLayout(plan, model, {EXPERT_MESH_NAME: expert_mesh, "dp": dense_mesh})
+    ep, dp = plan.mesh_shape
+    mesh = init_device_mesh(device_type, (dp, ep), mesh_dim_names=EP_MESH_DIM_NAMES)
+    dense_mesh = mesh._flatten("dp_shard")
+    _expert_parallel(model, mesh)
+    _fully_shard(model, dense_mesh)
+    return AppliedLayout(plan, model, {EXPERT_MESH_NAME: mesh, "dp": dense_mesh})
 
 
 def _fully_shard(model: nn.Module, mesh) -> None:
@@ -330,16 +343,28 @@ def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
 
 
-def _distribute_expert_parallel(model: nn.Module, expert_mesh, dense_mesh) -> None:
+def experts_shard_placement(num_experts: int, dp: int, ep: int):
+    """torchtitan's FSDP placement of expert stacks already split over ``ep``: the expert
+    dim again while there are experts for every rank, else the rows of each expert."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if dp * ep > num_experts else Shard(0)
+
+
+def _expert_parallel(model: nn.Module, mesh) -> None:
+    """EP over ``mesh["ep"]`` (the expert dim), then FSDP2 over ``mesh["dp_shard_mod_ep"]``."""
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.dim() == 3:
-                mesh, placements = expert_mesh, (Shard(0), Shard(1))
-            else:
-                mesh, placements = dense_mesh, (Shard(0),)
+    dp_mesh, ep_mesh = mesh["dp_shard_mod_ep"], mesh["ep"]
+    for experts in expert_modules(model):
+        stacks = [p for p in experts.parameters(recurse=False) if p.dim() == 3]
+        for name, param in list(experts.named_parameters(recurse=False)):
+            if param.dim() != 3:
+                continue
             # src_data_rank=None: every rank already holds the same full tensor, so each
             # takes its own slice without a scatter.
-            dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
-            module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+            dt = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+        placement = experts_shard_placement(stacks[0].size(0), dp_mesh.size(), ep_mesh.size())
+        fully_shard(experts, mesh=dp_mesh, shard_placement_fn=lambda _param, p=placement: p)

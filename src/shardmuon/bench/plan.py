@@ -50,18 +50,32 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardmuon.bench.common import add_model_arguments, add_output_arguments
 from shardmuon.bench.optimizers import make_optimizer
 from shardmuon.bench.report import fmt, new_progress, print_table, write_outputs
 from shardmuon.bench.volume import padded_scheme_bytes
-from shardmuon.cli_support import HelpFormatter, check_outputs, note
+from shardmuon.cli_support import (
+    HelpFormatter,
+    check_mesh,
+    check_outputs,
+    default_mesh_note,
+    note,
+)
 from shardmuon.exchange import BatchExchange
 from shardmuon.layout import MuonBatch, newton_schulz_cost
 from shardmuon.models import model_config
 from shardmuon.newton_schulz import NS_PRESETS
-from shardmuon.parallel import LAYOUTS, LayoutPlan, apply_layout, plan_layout
-from shardmuon.placements import MatrixLayout, ShardGroup, chunk_sizes, local_tensor
+from shardmuon.parallel import LAYOUTS, LayoutPlan, apply_layout
+from shardmuon.placements import (
+    MatrixLayout,
+    ShardGroup,
+    chunk_sizes,
+    local_tensor,
+    shard_ranges,
+)
 from shardmuon.telemetry import StepStats
 from shardmuon.workspace import workspace_peak_bytes
 
@@ -302,7 +316,7 @@ class _Symmetry:
         self.kind_of: list[int] = []
         for index, p in enumerate(plan0.params):
             if isinstance(p, DTensor):
-                if not all(type(pl) in (Shard, Replicate) for pl in p.placements):
+                if not all(_symmetric_placement(pl, p.dim()) for pl in p.placements):
                     self.supported = False
                     return
                 # DeviceMesh.mesh may build a new tensor per access: keep one per mesh.
@@ -379,13 +393,16 @@ class _Symmetry:
             shape = list(spec.shape)
             if spec.mesh is not None:
                 coord = self._coord(spec.mesh, rank)
+                strided = [pl for pl in spec.placements if isinstance(pl, _StridedShard)]
                 for dim, placement in enumerate(spec.placements):
-                    if isinstance(placement, self._shard_type):
+                    if isinstance(placement, self._shard_type) and not strided:
                         d = placement.dim % len(shape)
                         split = (shape[d], spec.mesh.size(dim))
                         if split not in self._chunks:
                             self._chunks[split] = chunk_sizes(*split)
                         shape[d] = self._chunks[split][coord[dim]]
+                if strided:  # FSDP2 over expert parallel: the optimizer's own reading
+                    shape = list(_strided_local_shape(spec, coord))
             self._local_shapes[key] = tuple(shape)
         return self._local_shapes[key]
 
@@ -521,6 +538,32 @@ class WorldPlan:
         return out
 
 
+def _symmetric_placement(placement, ndim: int) -> bool:
+    """Placements the symmetry model reads: ``Shard``/``Replicate``, and the
+    ``_StridedShard`` FSDP2 puts on the expert dim of a stack already split by expert
+    parallelism (never on a matrix dim: FSDP over TP is laid out rank by rank)."""
+    from torch.distributed.tensor import Replicate
+
+    if type(placement) in (Shard, Replicate):
+        return True
+    return isinstance(placement, _StridedShard) and placement.dim % ndim < ndim - 2
+
+
+def _strided_local_shape(spec, coord: tuple[int, ...]) -> tuple[int, ...]:
+    """A local shape under placements with ``_StridedShard``: each dim's shards applied in
+    FSDP2's order (:func:`shardmuon.placements.shard_ranges`)."""
+    shape = list(spec.shape)
+    for d in range(len(shape)):
+        splits = [
+            (spec.mesh.size(m), coord[m], getattr(pl, "split_factor", 1))
+            for m, pl in enumerate(spec.placements)
+            if isinstance(pl, (Shard, _StridedShard)) and pl.dim % len(shape) == d
+        ]
+        if splits:
+            shape[d] = sum(stop - start for start, stop in shard_ranges(shape[d], splits))
+    return tuple(shape)
+
+
 def plan_world(
     base: nn.Module,
     cfg: PlanConfig,
@@ -628,6 +671,7 @@ def add_parser(subparsers) -> None:
         help="the plan at any scale, without running it: all-to-all GB, NS load balance",
         description=__doc__,
         formatter_class=HelpFormatter,
+        allow_abbrev=False,
     )
     add_model_arguments(p, "qwen3-30b-a3b")
     p.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary size")
@@ -668,7 +712,12 @@ def _check_args(args: argparse.Namespace) -> tuple[PlanConfig, list[LayoutPlan]]
             raise ValueError(f"{flag} must be >= 1, got {value}")
     sizes = parse_world_sizes(args.world_size)
     meshes = parse_meshes(args.mesh, len(sizes))
-    plans = [plan_layout(args.layout, w, m) for w, m in zip(sizes, meshes)]
+    # Errors speak of --world-size: bench plan simulates its ranks and starts no process.
+    plans = [check_mesh(args.layout, w, m, f"--world-size {w}") for w, m in zip(sizes, meshes)]
+    if args.mesh is None:
+        chosen = default_mesh_note(plans, [f"{w} ranks" for w in sizes])
+        if chosen:
+            note(chosen)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

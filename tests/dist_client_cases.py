@@ -1,0 +1,370 @@
+"""Real clients' layouts on gloo (issue #20, run by ``test_clients.py``): each case lays a
+small MoE model out exactly as the client does and compares the distributed Muon with the
+same Muon on plain tensors in one process, bitwise, element by element.
+
+* prime-rl's / torchtitan's expert parallelism: the world mesh ``("dp_shard_mod_ep",
+  "dp_shard_in_ep"[, "cp"])``, ``ep`` and ``dp_shard_cp`` flattened from it, expert stacks
+  ``Shard(0)`` over ``ep`` (their ``ExpertParallel``) then ``fully_shard`` over
+  ``dp_shard_mod_ep`` with torchtitan's placement rule, everything else ``fully_shard`` over
+  ``dp_shard_cp`` (context parallel folded in: it shards activations, not weights).
+* Pipeline stages: each stage's ranks hold other layers and build their own ``Muon``
+  (warm-up included); stage 1 does not even start until stage 0 has finished its steps, so
+  any collective of stage 0 that waited on stage 1 would time out.
+* torchtitan's ``OptimizersContainer`` (the installed package) with a shardmuon factory:
+  steps, its flat FQN-keyed checkpoint through DCP, a resume bitwise like a run that never
+  stopped.
+
+Where FSDP2's layout is not ``distribute_tensor``'s (``_StridedShard`` of uneven sizes), the
+element mapping is read from a model holding ``arange`` values laid out the same way, never
+from DTensor's reading of the placements.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from dist_checks import Context, fail_on, make_context, random_tensors
+from dist_escape_cases import issued_collectives
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from shardmuon import Muon
+from shardmuon.parallel import experts_shard_placement
+from shardmuon.placements import local_tensor
+
+__all__ = ["CASES", "cases_for", "make_context"]
+
+CASES: dict[str, Callable[[Context], None]] = {}
+WORLDS: dict[str, tuple[int, ...]] = {}
+MUON_KWARGS = {"lr": 0.02, "weight_decay": 0.1, "nesterov": True}
+
+
+def case(name: str, worlds: tuple[int, ...]):
+    def register(fn):
+        CASES[name], WORLDS[name] = fn, worlds
+        return fn
+
+    return register
+
+
+def cases_for(world_size: int) -> list[str]:
+    return [name for name in CASES if world_size in WORLDS[name]]
+
+
+# ------------------------------------------------------------------ a small MoE model
+
+
+class Experts(nn.Module):
+    """Hugging Face's fused layout: ``gate_up [E, 2I, H]``, ``down [E, H, I]``."""
+
+    def __init__(self, experts: int, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inner, hidden) * 0.1)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inner) * 0.1)
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, experts: int, inner: int) -> None:
+        super().__init__()
+        self.attn = nn.Linear(hidden, hidden)
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = Experts(experts, hidden, inner)
+        self.norm = nn.LayerNorm(hidden)
+
+
+class MoE(nn.Module):
+    """Blocks with other expert counts (so that torchtitan's rule shards the expert dim in
+    one and the rows in another) and uneven hidden sizes."""
+
+    def __init__(self, experts: tuple[int, ...], hidden: int = 10, inner: int = 7) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Block(hidden, e, inner) for e in experts)
+
+
+def muon_groups(named: dict[str, torch.Tensor]) -> list[dict]:
+    """Matrices and stacks to Muon, the rest to AdamW (names sorted: the same everywhere)."""
+    names = sorted(named)
+    return [
+        {"params": [named[n] for n in names if named[n].ndim >= 2], "algorithm": "muon"},
+        {"params": [named[n] for n in names if named[n].ndim < 2], "algorithm": "adamw"},
+    ]
+
+
+def index_of(build: Callable[[], nn.Module], lay_out: Callable[[nn.Module], None]) -> dict:
+    """Name -> the global flat index of every local element, as the layout really holds
+    them: a model of ``arange`` values (exact in float64) laid out the same way."""
+    model = build().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.arange(p.numel(), dtype=torch.float64).view(p.shape))
+    lay_out(model)
+    return {n: local_tensor(p).detach().long() for n, p in model.named_parameters()}
+
+
+def compare_laid_out(
+    build: Callable[[], nn.Module],
+    lay_out: Callable[[nn.Module], None],
+    label: str,
+    steps: int = 3,
+    expected: dict[str, tuple] | None = None,
+    **muon_kwargs,
+) -> list[str]:
+    """``build()`` laid out by ``lay_out`` vs ``build()`` on one process: random grads set
+    on the shards, ``steps`` Muon steps, params and state compared element by element.
+    ``expected``: name fragment -> placements the layout must give (checks the setup)."""
+    kwargs = {**MUON_KWARGS, "newton_schulz_impl": "per-matrix", **muon_kwargs}
+    reference, sharded = build(), build()
+    lay_out(sharded)
+    index = index_of(build, lay_out)
+    ref_named, named = dict(reference.named_parameters()), dict(sharded.named_parameters())
+    names = sorted(ref_named)
+    problems = []
+    for fragment, placements in (expected or {}).items():
+        for n in names:
+            got = tuple(getattr(named[n], "placements", ()))
+            if fragment in n and got != placements:
+                problems.append(f"{label}: setup: {n} has {got}, expected {placements}")
+    for n in names:
+        want = ref_named[n].detach().flatten()[index[n]]
+        if not torch.equal(local_tensor(named[n]).detach(), want):
+            problems.append(f"{label}: setup: {n}'s shard is not where the arange model says")
+
+    def shard_of(n: str, full: torch.Tensor) -> torch.Tensor:
+        p, local = named[n], full.detach().flatten()[index[n]].clone()
+        if not isinstance(p, DTensor):
+            return local
+        return DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+
+    ref, opt = Muon(muon_groups(ref_named), **kwargs), Muon(muon_groups(named), **kwargs)
+    for step in range(steps):
+        grads = random_tensors([tuple(ref_named[n].shape) for n in names], 70 + step)
+        for n, g in zip(names, grads):
+            ref_named[n].grad, named[n].grad = g.clone(), shard_of(n, g)
+        ref.step()
+        opt.step()
+    for n in names:
+        p, r = named[n], ref_named[n]
+        pairs = [("param", p, r), *((k, opt.state[p][k], ref.state[r][k]) for k in ref.state[r])]
+        for what, got, want in pairs:
+            if what != "step":
+                got, want = local_tensor(got).detach(), want.detach().flatten()[index[n]]
+            if got.shape != want.shape or not torch.equal(got, want):
+                problems.append(f"{label}: {what} of {n} {getattr(p, 'placements', '')} differs")
+    return problems
+
+
+# ------------------------------------------------------------------ prime-rl's EP meshes
+
+
+def prime_rl_meshes(world: int, ep: int, cp: int) -> dict[str, object]:
+    """prime-rl's (torchtitan's) world mesh for ``dp_shard = world / cp`` and expert
+    parallel ``ep`` borrowed from ``dp_shard x cp``: dims ``dp_shard_mod_ep``,
+    ``dp_shard_in_ep`` and ``cp`` (those of size 1 left out, as they do), ``ep`` and
+    ``dp_shard_cp`` flattened from them."""
+    dp_shard = world // cp
+    sizes = {"dp_shard_mod_ep": dp_shard * cp // ep, "dp_shard_in_ep": ep // cp, "cp": cp}
+    kept = {name: size for name, size in sizes.items() if size > 1}
+    mesh = init_device_mesh("cpu", tuple(kept.values()), mesh_dim_names=tuple(kept))
+    in_ep = tuple(name for name in ("dp_shard_in_ep", "cp") if name in kept)
+    return {
+        "world": mesh,
+        "dp_shard_mod_ep": mesh["dp_shard_mod_ep"],
+        "ep": mesh[in_ep]._flatten("ep"),
+        "dp_shard_cp": mesh[tuple(kept)]._flatten("dp_shard_cp"),
+    }
+
+
+def prime_rl_layout(meshes: dict[str, object]) -> Callable[[nn.Module], None]:
+    """torchtitan's ``apply_moe_ep_tp`` + ``apply_fsdp`` for our ``MoE``, without TP."""
+    from torch.distributed.fsdp import fully_shard
+
+    ep_mesh, dp_mesh = meshes["ep"], meshes["dp_shard_mod_ep"]
+
+    def lay_out(model: nn.Module) -> None:
+        for block in model.layers:
+            experts = block.experts
+            for name, param in list(experts.named_parameters()):
+                dt = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+                experts.register_parameter(name, nn.Parameter(dt))
+            placement = experts_shard_placement(
+                experts.gate_up_proj.size(0), dp_mesh.size(), ep_mesh.size()
+            )
+            fully_shard(experts, mesh=dp_mesh, shard_placement_fn=lambda _p, pl=placement: pl)
+            fully_shard(block, mesh=meshes["dp_shard_cp"])
+        fully_shard(model, mesh=meshes["dp_shard_cp"])
+
+    return lay_out
+
+
+@case("prime_rl_expert_parallel_meshes_bitwise", (4, 8))
+def _prime_rl_ep(ctx: Context) -> None:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    problems = []
+    # world 4: dp_shard 4, ep 2; world 8: dp_shard 4 x cp 2, ep 4 (borrowing cp).
+    ep, cp = (2, 1) if ctx.world_size == 4 else (4, 2)
+    meshes = prime_rl_meshes(ctx.world_size, ep, cp)
+    dp = meshes["dp_shard_mod_ep"].size()
+    # Enough experts for every rank (the expert dim sharded twice) in one block, too few
+    # (the rows over dp_shard_mod_ep) in the other; 2I = 14 rows split unevenly over 4.
+    whole, rows = dp * ep, dp * ep // 2
+    expected = {
+        "0.experts": (_StridedShard(0, split_factor=ep), Shard(0)),
+        "1.experts": (Shard(1), Shard(0)),
+        "attn.weight": (Shard(0),),
+    }
+
+    def build() -> nn.Module:
+        return MoE((whole, rows))
+
+    lay_out = prime_rl_layout(meshes)
+    problems += compare_laid_out(build, lay_out, "prime-rl EP", expected=expected)
+    problems += compare_laid_out(
+        build, lay_out, "prime-rl EP, 2 KiB budget", workspace_bytes=2048, split_replicas=True
+    )
+    fail_on(problems)
+
+
+# ------------------------------------------------------------------ pipeline stages
+
+
+def _shared_dir() -> Path:
+    path = [tempfile.mkdtemp(prefix="shardmuon-pp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return Path(path[0])
+
+
+@case("pipeline_stages_step_alone_bitwise", (4,))
+def _pipeline(ctx: Context) -> None:
+    """2 stages x 2 ranks (mesh ``("pp", "dp")``), FSDP2 over each stage's ``dp``: stage 0
+    builds (with warm-up), checks and steps its Muon three times while stage 1 has not
+    started; only then does stage 1 build and step its own (other layers and shapes). Every
+    collective stays inside the stage, and each stage is bitwise one process."""
+    from torch.distributed.fsdp import fully_shard
+
+    marker = _shared_dir() / "stage0-done"
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage, dp_mesh = mesh.get_local_rank("pp"), mesh["dp"]
+    stage_ranks = set(mesh.mesh[stage].tolist())
+    build = (lambda: MoE((4,), hidden=10)) if stage == 0 else (lambda: MoE((2, 6), hidden=9))
+
+    def lay_out(model: nn.Module) -> None:
+        for block in model.layers:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+
+    if stage == 1:
+        deadline = time.monotonic() + 60
+        while not marker.exists():  # the filesystem, not a collective
+            if time.monotonic() > deadline:
+                raise AssertionError("stage 0 did not finish: it waited on stage 1")
+            time.sleep(0.05)
+    with issued_collectives() as calls:
+        problems = compare_laid_out(build, lay_out, f"stage {stage}", warmup=True)
+    if stage == 0:
+        dist.barrier(group=dp_mesh.get_group())
+        if dp_mesh.get_local_rank() == 0:
+            marker.touch()
+    outside = sorted({c.group for c in calls if not set(c.group) <= stage_ranks})
+    if outside:
+        problems.append(f"stage {stage} issued collectives over {outside}")
+    if not any(c.op == "all_to_all" for c in calls):
+        problems.append(f"stage {stage}: no all-to-all ran (the case tests nothing)")
+    dist.barrier()  # both stages done before the next case
+    fail_on(problems)
+
+
+# ------------------------------------------------------------------ torchtitan
+
+
+def _torchtitan_container(model: nn.Module):
+    """torchtitan's own ``OptimizersContainer`` given shardmuon as a factory: the three lines
+    of docs/training.md."""
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+
+    class Optimizers(OptimizersContainer):
+        @staticmethod
+        def _resolve_optimizer_factory(name):
+            return (
+                Muon
+                if name == "shardmuon"
+                else OptimizersContainer._resolve_optimizer_factory(name)
+            )
+
+    adamw = {"algorithm": "adamw", "lr": 0.01, "weight_decay": 0.0}
+    config = Optimizers.Config(
+        param_groups=[
+            ParamGroupConfig(pattern=r"(bias|norm)", optimizer_name="shardmuon", optimizer_kwargs=adamw),
+            ParamGroupConfig(pattern=r".*", optimizer_name="shardmuon", optimizer_kwargs=dict(MUON_KWARGS)),
+        ],
+    )  # fmt: skip
+    return Optimizers(config, model_parts=[model])
+
+
+def _train(model: nn.Module, optimizers, steps: range) -> None:
+    for step in steps:
+        for name, p in sorted(model.named_parameters()):
+            full = random_tensors([tuple(p.shape)], 90 + step + 1000 * len(name))[0]
+            p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        optimizers.step()
+        optimizers.zero_grad()
+
+
+@case("torchtitan_container_steps_and_resumes_bitwise", (2,))
+def _torchtitan(ctx: Context) -> None:
+    """The installed torchtitan's container: one Muon per model part, its FQN-flattened
+    state dict saved with DCP and loaded back through its ``load_state_dict`` (which takes
+    the groups too): steps 4-5 of the resumed run bitwise those of an uninterrupted one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    def laid_out() -> nn.Module:
+        model = MoE((2,), hidden=8)
+        for block in model.layers:
+            fully_shard(block, mesh=ctx.mesh)
+        fully_shard(model, mesh=ctx.mesh)
+        return model
+
+    reference = laid_out()
+    ref_opt = _torchtitan_container(reference)
+    _train(reference, ref_opt, range(5))
+
+    model = laid_out()
+    optimizers = _torchtitan_container(model)
+    problems = []
+    if [type(o) for o in optimizers] != [Muon]:
+        problems.append(f"the container built {[type(o).__name__ for o in optimizers]}")
+    _train(model, optimizers, range(3))
+    folder = str(_shared_dir())
+    dcp.save({"model": model.state_dict(), "optim": optimizers.state_dict()}, checkpoint_id=folder)
+
+    resumed = laid_out()
+    resumed_opt = _torchtitan_container(resumed)
+    state = {"model": resumed.state_dict(), "optim": resumed_opt.state_dict()}
+    dcp.load(state, checkpoint_id=folder)
+    resumed.load_state_dict(state["model"])
+    resumed_opt.load_state_dict(state["optim"])
+    _train(resumed, resumed_opt, range(3, 5))
+    if [g["step"] for g in resumed_opt.optimizers[0].param_groups] != [5, 5]:
+        problems.append("the resumed optimizer's step counters are not 5")
+    for (n, p), q in zip(reference.named_parameters(), resumed.parameters()):
+        if not torch.equal(local_tensor(p), local_tensor(q)):
+            problems.append(f"{n} differs after the resume")
+    fail_on(problems)
+    if ctx.rank == 0:
+        print(f"torchtitan {_version('torchtitan')} container: resumed bitwise", flush=True)
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
