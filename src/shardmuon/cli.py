@@ -3,6 +3,8 @@ package provides it, ``shardmuon train``.
 
 Bad arguments exit with status 2 and a one-line message (argparse's convention), never a
 traceback: the commands raise ``ValueError`` for invalid values and :func:`main` reports it.
+Flags are never abbreviated, and a mistyped one gets "did you mean"
+(:class:`shardmuon.cli_support.ArgumentParser`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from shardmuon.cli_support import HelpFormatter
+from shardmuon.cli_support import ArgumentParser, HelpFormatter
 
 __all__ = ["build_parser", "main"]
 
@@ -21,8 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every available sub-command registered."""
     from shardmuon.bench import add_parser as add_bench
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="shardmuon",
+        allow_abbrev=False,
         description="Muon for PyTorch that distributes its work from DTensor placements.",
         formatter_class=HelpFormatter,
     )

@@ -1,5 +1,6 @@
 """Pieces shared by ``shardmuon bench`` and ``shardmuon train``: output-path checks made
-before any work, the ``--help`` formatter, flag aliases and the one-line "wrote" notes.
+before any work, the argument parser (no abbreviations, "did you mean" for a typo), the
+``--help`` formatter, flag aliases and the one-line "wrote" notes.
 
 Every command checks its output paths (``--json``, ``--plot``, ``--csv``, ``--dion-out``,
 ``--checkpoint-dir``) first, so that a path that cannot be written fails in a second with a
@@ -10,18 +11,29 @@ commands report as ``error: ...`` with exit status 2.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardmuon.parallel import LayoutPlan
 
 __all__ = [
+    "LAYERS_HELP",
+    "MESH_FORMS",
+    "ArgumentParser",
     "HelpFormatter",
     "add_hidden_alias",
+    "check_mesh",
     "check_output_dir",
     "check_output_file",
     "check_outputs",
+    "default_mesh_note",
+    "describe_mesh",
     "note",
     "note_written",
 ]
@@ -121,6 +133,127 @@ def check_outputs(
             seen[key] = flag
 
 
+# What --layers does, in bench and train alike.
+LAYERS_HELP = (
+    "build the preset with only its first N decoder layers (dense and MoE layers as the "
+    "preset orders them; embeddings, final norm and head unchanged)"
+)
+
+# Where the innermost (sub-)command that was given unrecognized arguments records itself,
+# for ArgumentParser.parse_args to let it report them.
+_UNRECOGNIZED_BY = "_shardmuon_unrecognized_by"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser without abbreviated flags, and with "did you mean" for a typo.
+
+    ``allow_abbrev`` is off: ``--lay`` is neither ``--layers`` nor ``--layout``, and an
+    abbreviation accepted today would change meaning the day a flag with the same start is
+    added. An unrecognized argument is reported by the (sub-)command it was given to, with
+    that command's usage line, naming what was given and the closest accepted flags (or all
+    of them when none is close). Sub-commands added through ``add_subparsers`` are of this
+    class too (argparse makes them of the parent's class).
+    """
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs) -> None:
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and not hasattr(namespace, _UNRECOGNIZED_BY):
+            # A sub-command parses before its parent returns: the first to record is the
+            # innermost, the one whose flags the user was writing.
+            setattr(namespace, _UNRECOGNIZED_BY, (self, list(extras)))
+        return namespace, extras
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser, own = getattr(namespace, _UNRECOGNIZED_BY, (self, extras))
+            parser.error(parser.unrecognized_message(own))
+        return namespace
+
+    def error(self, message: str):
+        # "train --nprocs 2": argparse skips the unknown flag and takes "2" for a
+        # sub-command; the flag is what to report.
+        unknown = self._unknown_flags()
+        if unknown and any(
+            message.startswith(f"argument {argparse._get_action_name(action)}: invalid choice")
+            for action in self._actions
+            if isinstance(action, argparse._SubParsersAction)
+        ):
+            message = self.unrecognized_message(unknown)
+        super().error(message)
+
+    def _unknown_flags(self) -> list[str]:
+        """The flags among the arguments being parsed that no option of this parser has."""
+        known = self._option_string_actions
+        return [
+            arg
+            for arg in getattr(self, "_given", [])
+            if self._looks_like_flag(arg) and arg.split("=", 1)[0] not in known
+        ]
+
+    def _looks_like_flag(self, arg: str) -> bool:
+        # "-1" is a value, "--" the end of the options.
+        return arg[:1] in self.prefix_chars and arg != "--" and len(arg) > 1 and not _is_number(arg)
+
+    def visible_flags(self) -> list[str]:
+        """The option strings ``--help`` lists, in its order (hidden aliases left out)."""
+        return [
+            flag
+            for action in self._actions
+            if action.help is not argparse.SUPPRESS
+            for flag in action.option_strings
+        ]
+
+    def suggest_flags(self, given: str) -> list[str]:
+        """Accepted flags ``given`` may have meant: those it abbreviates, else close ones."""
+        flags = self.visible_flags()
+        name = given.split("=", 1)[0]
+        prefixed = [f for f in flags if f.startswith(name) and name.startswith("--")]
+        if prefixed:
+            return prefixed
+        # Compared without the dashes, which every flag shares and which would make
+        # "--nprc" look close to "--lr".
+        by_name = {f.lstrip(self.prefix_chars): f for f in reversed(flags)}
+        close = difflib.get_close_matches(
+            name.lstrip(self.prefix_chars), list(by_name), n=3, cutoff=0.75
+        )
+        return [by_name[c] for c in close]
+
+    def unrecognized_message(self, extras: list[str]) -> str:
+        """The error for ``extras`` (arguments this parser did not recognize)."""
+        flags = [a for a in extras if self._looks_like_flag(a)]
+        if not flags:
+            s = "s" if len(extras) > 1 else ""
+            return f"unrecognized argument{s}: {' '.join(extras)}"
+        parts = []
+        for flag in flags:
+            name = flag.split("=", 1)[0]
+            suggestions = self.suggest_flags(name)
+            if suggestions:
+                parts.append(f"unrecognized argument {name}; did you mean {_or(suggestions)}?")
+            else:
+                accepted = ", ".join(self.visible_flags())
+                parts.append(f"unrecognized argument {name}; accepted: {accepted}")
+        return "; ".join(parts)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _or(items: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """``--help`` with each option's default, and descriptions printed as written.
 
@@ -140,6 +273,81 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         ):
             return text
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+# --mesh's form per layout, as the commands' help spells it.
+MESH_FORMS = {"fsdp": "N", "hsdp": "REPLICATExSHARD", "ep": "EPxDP", "fsdp-tp": "DPxTP"}
+
+
+def check_mesh(
+    layout: str, world_size: int, mesh_shape: tuple[int, ...] | None, world: str
+) -> LayoutPlan:
+    """:func:`shardmuon.parallel.plan_layout`, with ``--mesh`` errors in a command's terms.
+
+    ``world`` says where ``world_size`` comes from, as the command spells it
+    (``"--nproc 3"``, ``"--world-size 8"``): a mesh whose dims do not multiply to it is
+    refused naming it, not "the number of processes" (``bench plan`` starts none). Raises
+    ``ValueError`` naming the ``--mesh`` given and the form accepted, with an example.
+    """
+    from shardmuon.parallel import plan_layout
+
+    if mesh_shape is None:
+        return plan_layout(layout, world_size)
+    given = "x".join(map(str, mesh_shape))
+    if layout == "none":
+        raise ValueError(f"--layout none takes no --mesh (got {given})")
+    form = MESH_FORMS[layout]
+    example = "x".join(map(str, plan_layout(layout, world_size).mesh_shape))
+    accepted = f"{layout}: {form}, e.g. {example}"
+    dims = form.count("x") + 1
+    if len(mesh_shape) != dims:
+        raise ValueError(f"--mesh {given} for --layout {layout}: give {dims} dims ({accepted})")
+    if any(d < 1 for d in mesh_shape):
+        raise ValueError(f"--mesh {given}: every dim must be >= 1 ({accepted})")
+    ranks = 1
+    for d in mesh_shape:
+        ranks *= d
+    if ranks != world_size:
+        raise ValueError(
+            f"--mesh {given} has {ranks} ranks, but {world}: the mesh dims must multiply to "
+            f"{world_size} ({accepted})"
+        )
+    return plan_layout(layout, world_size, mesh_shape)
+
+
+def describe_mesh(plan: LayoutPlan) -> str:
+    """What ``plan``'s mesh does, in words: ``"2 replicas of 4 shards"`` for hsdp 2x4."""
+
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}{'' if n == 1 else 's'}"
+
+    shape = plan.mesh_shape
+    if plan.layout == "hsdp":
+        return f"{count(shape[0], 'replica')} of {count(shape[1], 'shard')}"
+    if plan.layout == "ep":
+        return f"experts split over {shape[0]} (EP), FSDP over {shape[1]}"
+    if plan.layout == "fsdp-tp":
+        return f"FSDP over {shape[0]}, tensor parallel over {shape[1]}"
+    if plan.layout == "fsdp":
+        return f"FSDP over {count(shape[0], 'rank')}"
+    return "no mesh"
+
+
+def default_mesh_note(plans: Sequence[LayoutPlan], worlds: Sequence[str]) -> str | None:
+    """The note that says which mesh a 2-D layout chose, ``--mesh`` having been left out.
+
+    ``worlds[i]`` names where ``plans[i]``'s world size came from (``"--nproc 4"``,
+    ``"8 ranks"``). ``None`` for a layout whose mesh leaves no choice (``none``, ``fsdp``).
+    """
+    layout = plans[0].layout
+    if layout not in ("hsdp", "ep", "fsdp-tp"):
+        return None
+    meshes = ", ".join(
+        f"{'x'.join(map(str, plan.mesh_shape))} for {world} ({describe_mesh(plan)})"
+        for plan, world in zip(plans, worlds)
+    )
+    other = "another" if len(plans) == 1 else "others"
+    return f"--layout {layout}: mesh {meshes}; --mesh {MESH_FORMS[layout]} chooses {other}"
 
 
 def add_hidden_alias(

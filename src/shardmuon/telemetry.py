@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, fields
 
 __all__ = ["BF16_BYTES", "StepStats"]
 
 BF16_BYTES = 2
 
 
-@dataclass
+def _bytes(n: int) -> str:
+    """``n`` bytes in binary units: ``512 B``, ``2.00 KiB``, ``3.00 MiB``, ``1.50 GiB``."""
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if n >= 100 else f"{n:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _shape_counts(shapes: list[tuple[int, ...]], most: int = 4) -> str:
+    """``"1000 x (1024, 4096), 24 x (512, 512)"``: each shape once with its count, the most
+    common first, at most ``most`` of them."""
+    counts = Counter(tuple(s) for s in shapes).most_common()
+    text = ", ".join(f"{n} x {shape}" for shape, n in counts[:most])
+    rest = len(counts) - most
+    return text + (f", {rest} more shape{'s' if rest > 1 else ''}" if rest > 0 else "")
+
+
+@dataclass(repr=False)
 class StepStats:
     """Counters of the last step on this rank.
 
@@ -50,6 +71,55 @@ class StepStats:
         momentum gone non-finite): their update was skipped (a zero direction; decoupled
         weight decay still applied). Reading it synchronises with the device once."""
         return int(sum(int(count) for count in self.nonfinite_counts))
+
+    def __str__(self) -> str:
+        """A few lines with units: what ``print(opt.last_step_stats)`` shows.
+
+        The shape lists are summarized (each shape once, with its count); the replica and
+        offload lines appear only when the step had such traffic. Reads
+        :attr:`nonfinite_matrices` (one synchronisation with the device).
+        """
+        calls = len(self.ns_calls)
+        lines = [
+            "StepStats of this rank's last step:",
+            f"  all-to-all: sent {_bytes(self.bytes_sent)}, received "
+            f"{_bytes(self.bytes_received)} (least the layout needs: "
+            f"{_bytes(self.bytes_minimum)})",
+            f"  orthogonalized: {self.matrices_orthogonalized} matrices in "
+            f"{self.num_batches} batches, {calls} Newton-Schulz call{'' if calls == 1 else 's'}",
+        ]
+        if self.owned_shapes:
+            lines.append(f"  owned shapes: {_shape_counts(self.owned_shapes)}")
+        if self.ns_calls:
+            lines.append(f"  call shapes (batch, rows, cols): {_shape_counts(self.ns_calls)}")
+        lines.append(f"  workspace peak (estimated): {_bytes(self.workspace_peak_bytes)}")
+        if self.replica_bytes_sent or self.replica_bytes_received:
+            lines.append(
+                f"  replicas: sent {_bytes(self.replica_bytes_sent)}, received "
+                f"{_bytes(self.replica_bytes_received)}"
+            )
+        if self.offload_bytes_loaded or self.offload_bytes_stored:
+            lines.append(
+                f"  offload: loaded {_bytes(self.offload_bytes_loaded)}, stored "
+                f"{_bytes(self.offload_bytes_stored)}, state on device at most "
+                f"{_bytes(self.offload_workspace_peak_bytes)}"
+            )
+        lines.append(f"  non-finite matrices skipped: {self.nonfinite_matrices}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        """One line: every counter by name, the lists by length (they can be thousands long)."""
+        parts = []
+        for f in fields(self):
+            if not f.repr:
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                what = "shapes" if f.name == "owned_shapes" else "calls"
+                parts.append(f"{f.name}=<{len(value)} {what}>")
+            else:
+                parts.append(f"{f.name}={value!r}")
+        return f"StepStats({', '.join(parts)})"
 
     def add_traffic(self, send_splits: list[int], recv_splits: list[int], me: int) -> None:
         """Count one all-to-all given its split sizes (elements) and this rank's index."""

@@ -19,6 +19,7 @@ def add_parser(subparsers) -> None:
         help="benchmarks: step (default), ns, ab, plan",
         description="Benchmarks. With only options (or nothing), runs `step`.",
         formatter_class=HelpFormatter,
+        allow_abbrev=False,
     )
     sub = bench.add_subparsers(dest="bench_command", metavar="{step,ns,ab,plan}")
     step.add_parser(sub)

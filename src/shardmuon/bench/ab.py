@@ -176,6 +176,7 @@ def add_parser(subparsers) -> None:
         help="update A/B: shardmuon vs a float64 Muon, beside the bf16 noise floor",
         description=__doc__,
         formatter_class=HelpFormatter,
+        allow_abbrev=False,
     )
     add_model_arguments(p, "tiny-moe")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps compared")
@@ -298,15 +299,21 @@ def _column_name(result: dict[str, Any]) -> str:
 
 
 def _draw(ax, results: list[dict[str, Any]]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     for r in results:
         label = f"{r['preset']} {r['newton_schulz_impl']}"
-        (line,) = ax.plot([100 * e for e in r["vs_fp64"]], marker="o", label=label)
+        steps = list(range(len(r["vs_fp64"])))  # numbered as in the table
+        (line,) = ax.plot(steps, [100 * e for e in r["vs_fp64"]], marker="o", label=label)
         ax.plot(
+            steps,
             [100 * e for e in r["noise_floor"]],
             linestyle="--",
             color=line.get_color(),
             label=f"{label}: noise floor",
         )
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("relative difference (%)")
-    ax.legend(fontsize=7)
+    # Beside the axes: with two lines per variant, no corner inside is free of them.
+    ax.figure.legend(loc="outside right upper", fontsize=7)

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from shardmuon.cli_support import LAYERS_HELP
+
 __all__ = ["add_model_arguments", "add_output_arguments", "name_seed", "relative_difference"]
 
 
@@ -40,7 +42,11 @@ def add_model_arguments(parser, default: str) -> None:
         "--model", choices=sorted(MODEL_PRESETS), default=default, help="model preset"
     )
     parser.add_argument(
-        "--layers", type=int, default=None, help="cut the model to this many layers (default: all)"
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help=LAYERS_HELP + " (default: all of the preset's)",
     )
 
 

@@ -153,6 +153,7 @@ def add_parser(subparsers) -> None:
         help="Newton-Schulz per call: folded vs unfolded, TFLOP/s, error vs fp64",
         description=__doc__,
         formatter_class=HelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument(
         "--shapes",
@@ -254,19 +255,29 @@ def run(args: argparse.Namespace) -> int:
             ("err", "||NS - NS_fp64|| / ||NS_fp64||, against the float64 iteration"),
         ],
     )
+    where = _device_label(device)
     write_outputs(
-        args, "ns", {"results": rows}, lambda ax: _draw(ax, rows), "Newton-Schulz per call"
+        args, "ns", {"results": rows}, lambda ax: _draw(ax, rows, where), "Newton-Schulz per call"
     )
     return 0
 
 
-def _draw(ax, rows: list[dict[str, Any]]) -> None:
+def _device_label(device: torch.device) -> str:
+    """``"cuda: NVIDIA H200"`` or ``"cpu, 8 threads"``: what the times were measured on."""
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    threads = torch.get_num_threads()
+    return f"cpu, {threads} thread{'' if threads == 1 else 's'}"
+
+
+def _draw(ax, rows: list[dict[str, Any]], device: str) -> None:
     labels = [f"{'x'.join(map(str, r['shape']))}\n{r['preset']}" for r in rows]
     xs = range(len(rows))
     width = 0.4
     ax.bar([x - width / 2 for x in xs], [r["unfolded_ms"] for r in rows], width, label="unfolded")
     ax.bar([x + width / 2 for x in xs], [r["folded_ms"] for r in rows], width, label="folded")
+    # save_plot turns and shrinks these labels if they would overlap.
     ax.set_xticks(list(xs), labels, fontsize=7)
-    ax.set_ylabel("ms per call")
+    ax.set_ylabel(f"ms per call ({device})")
     ax.set_yscale("log")
     ax.legend()

@@ -814,7 +814,13 @@ def _draw(ax, rows: list[dict]) -> None:
     ax.set_xticks(list(x), labels)
     ax.set_xlabel("ranks")
     ax.set_ylabel("all-to-all GB per rank per step")
-    ax.legend(loc="upper left")
     balance = ax.twinx()
-    balance.plot(list(x), [r["ns_max_over_mean"] or 1.0 for r in rows], "ko-")
+    balance.plot(
+        list(x),
+        [r["ns_max_over_mean"] or 1.0 for r in rows],
+        "ko-",
+        label="Newton-Schulz max ÷ mean (right axis)",
+    )
     balance.set_ylabel("Newton-Schulz FLOPs, max ÷ mean")
+    # One legend for both axes (bars and the ratio line), under them, over no data.
+    ax.figure.legend(loc="outside lower center", ncols=3, fontsize=8)

@@ -30,10 +30,13 @@ __all__ = [
     "fmt",
     "median_time",
     "new_progress",
+    "overlapping_x_tick_labels",
+    "plot_figure",
     "print_legend",
     "print_table",
     "repeat_times",
     "save_plot",
+    "separate_x_tick_labels",
     "set_threads",
     "spread",
     "stderr_console",
@@ -260,20 +263,70 @@ def write_outputs(
         note_written(args.plot, "plot (PNG)")
 
 
-def save_plot(path: str | os.PathLike, draw: Callable[[Any], None], title: str) -> Path:
-    """Draw with ``draw(ax)`` on a fresh Agg figure and save it as PNG at ``path``."""
+def plot_figure(draw: Callable[[Any], None], title: str):
+    """The figure :func:`save_plot` writes: ``draw(ax)`` on a fresh Agg figure, ``title`` on top.
+
+    Laid out by matplotlib's constrained layout, so that a legend placed with
+    ``ax.figure.legend(loc="outside right upper")`` sits beside the axes, over no data. The
+    x tick labels are then turned upright and shrunk, as far as needed, so that no two
+    overlap (long shape or implementation names under many bars). Close it with
+    ``matplotlib.pyplot.close``.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    try:
+        draw(ax)
+        ax.set_title(title)
+        separate_x_tick_labels(ax)
+    except BaseException:
+        plt.close(fig)
+        raise
+    return fig
+
+
+def overlapping_x_tick_labels(ax) -> list[tuple[str, str]]:
+    """Pairs of ``ax``'s x tick labels whose boxes overlap, as the figure is now laid out."""
+    fig = ax.figure
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    labels = [t for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    return [
+        (labels[i].get_text(), labels[j].get_text())
+        for i in range(len(labels))
+        for j in range(i + 1, len(labels))
+        if boxes[i].overlaps(boxes[j])
+    ]
+
+
+def separate_x_tick_labels(ax) -> None:
+    """Turn ``ax``'s x tick labels upright, then shrink them, until no two overlap.
+
+    Labels that fit side by side are left as they are; the last setting (upright, 5 pt)
+    is kept if even that does not fit.
+    """
+    if not overlapping_x_tick_labels(ax):
+        return
+    for size in (None, 7, 6, 5):
+        ax.tick_params(axis="x", labelrotation=90, **({"labelsize": size} if size else {}))
+        if not overlapping_x_tick_labels(ax):
+            return
+
+
+def save_plot(path: str | os.PathLike, draw: Callable[[Any], None], title: str) -> Path:
+    """Save :func:`plot_figure` of ``draw`` and ``title`` as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
     out = Path(path)
     if out.parent and not out.parent.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    draw(ax)
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(out, format="png", dpi=120)
-    plt.close(fig)
+    fig = plot_figure(draw, title)
+    try:
+        fig.savefig(out, format="png", dpi=120)
+    finally:
+        plt.close(fig)
     return out

@@ -12,6 +12,7 @@ See ``docs/benchmarks.md``.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import asdict
 
 import torch
@@ -28,9 +29,16 @@ from shardmuon.bench.optimizers import (
 from shardmuon.bench.report import write_outputs
 from shardmuon.bench.step_summary import draw, print_results, summarize
 from shardmuon.bench.step_worker import ORDERS, StepConfig, worker
-from shardmuon.cli_support import HelpFormatter, add_hidden_alias, check_outputs
+from shardmuon.cli_support import (
+    HelpFormatter,
+    add_hidden_alias,
+    check_mesh,
+    check_outputs,
+    default_mesh_note,
+    note,
+)
 from shardmuon.newton_schulz import NS_PRESETS
-from shardmuon.parallel import LAYOUTS, parse_mesh_shape, plan_layout
+from shardmuon.parallel import LAYOUTS, parse_mesh_shape
 
 DEFAULT_MODEL = "tiny-moe"
 
@@ -128,6 +136,7 @@ def add_parser(subparsers) -> None:
         help="optimizer step time, memory and all-to-all bytes (default)",
         description=__doc__,
         formatter_class=HelpFormatter,
+        allow_abbrev=False,
     )
     add_model_arguments(p, DEFAULT_MODEL)
     p.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary size")
@@ -176,9 +185,11 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--offload",
         default="none",
-        metavar="{none,state,none,state}",
+        # Each choice once; both together are a comma-separated list, as --impl takes.
+        metavar="{none,state}",
         help="shardmuon's optimizer-state offload: 'state' runs each shardmuon impl with "
-        "offload='state' (rows 'IMPL+offload'); 'none,state' runs both side by side",
+        "offload='state' (rows 'IMPL+offload'); both, comma-separated ('none,state'), run "
+        "side by side",
     )
     p.add_argument("--lr", type=float, default=0.02, help="learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and grads")
@@ -216,9 +227,15 @@ def run(args: argparse.Namespace) -> int:
                 f"--nproc {world} needs {world} GPUs (one per process, NCCL); this machine has "
                 f"{torch.cuda.device_count()}"
             )
-    plan = plan_layout(
-        args.layout, world, parse_mesh_shape(args.mesh, "dims joined by 'x', e.g. 4 or 2x2")
-    )
+        world_source = f"--nproc {world}" if args.nproc else f"the default --nproc {world}"
+    else:
+        world_source = f"torchrun's {world} processes"
+    mesh = parse_mesh_shape(args.mesh, "dims joined by 'x', e.g. 4 or 2x2")
+    plan = check_mesh(args.layout, world, mesh, world_source)
+    if mesh is None and os.environ.get("RANK", "0") == "0":
+        chosen = default_mesh_note([plan], [world_source])
+        if chosen:
+            note(chosen)
     impls, skipped = parse_impls(args.impl, world, args.layout)
     impls = with_offload(impls, parse_offload(args.offload))
     cfg = StepConfig(

@@ -130,7 +130,28 @@ def replay_newton_schulz(
     return repeat_times(replay, ctx.device, repeats, warmup=0, before=ctx.barrier)
 
 
-def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, advance) -> dict:
+class _Bar:
+    """Rank 0's progress bar (``progress`` ``None`` elsewhere): steps counted, phase named.
+
+    The bar counts timed steps only; after the last one it would sit full while the
+    profiled step and the Newton–Schulz replay run, so :meth:`phase` names what runs.
+    """
+
+    def __init__(self, progress, total: int) -> None:
+        self._progress = progress
+        self._task = progress.add_task("optimizer steps", total=total) if progress else None
+
+    def phase(self, description: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, description=description)
+
+    def advance(self) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task)
+
+
+def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, bar: _Bar) -> dict:
+    bar.phase(f"{impl}: optimizer steps")
     _init_weights(model, ctx, cfg.seed)
     for p in model.parameters():
         p.grad = None
@@ -164,11 +185,12 @@ def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, advan
             transients.append(peak - before)
         if is_shardmuon:
             stats = opt.last_step_stats
-        advance()
+        bar.advance()
     if ctx.device.type == "cuda":
         memory = StepMemory(peak_bytes=max(peaks[1:]), transient_bytes=max(transients[1:]))
     else:
         # One more, profiled step (not timed: the profiler slows it down).
+        bar.phase(f"{impl}: memory profile of one more step")
         _set_grads(model, ctx, cfg.seed, cfg.steps)
         baseline = live_bytes([*model.parameters(), *(p.grad for p in model.parameters())])
         baseline += live_bytes(_state_tensors(opt))
@@ -179,6 +201,7 @@ def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, advan
         "transient_bytes": memory.transient_bytes,
     }
     if is_shardmuon:
+        bar.phase(f"{impl}: Newton-Schulz replay x{cfg.ns_repeats}")
         result.update(
             bytes_sent=stats.bytes_sent,
             bytes_received=stats.bytes_received,
@@ -210,18 +233,9 @@ def worker(ctx: RankContext, cfg: StepConfig) -> dict | None:
     per_pass: dict[str, list[list[dict]]] = {}
     show = cfg.progress and ctx.rank == 0
     with new_progress(show) as progress:
-        task = (
-            progress.add_task("optimizer steps", total=len(passes) * cfg.steps)
-            if progress
-            else None
-        )
-
-        def advance() -> None:
-            if progress:
-                progress.advance(task)
-
+        bar = _Bar(progress, total=len(passes) * cfg.steps)
         for impl in passes:
-            gathered = ctx.gather(_run_impl(impl, model, layout, ctx, cfg, advance))
+            gathered = ctx.gather(_run_impl(impl, model, layout, ctx, cfg, bar))
             if ctx.rank == 0:
                 per_pass.setdefault(impl, []).append(gathered)
     if ctx.rank != 0:

@@ -15,15 +15,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from shardmuon.cli_support import (
+    LAYERS_HELP,
+    ArgumentParser,
     HelpFormatter,
     add_hidden_alias,
     check_outputs,
+    default_mesh_note,
     note,
     note_written,
 )
 from shardmuon.models import MODEL_PRESETS
 from shardmuon.newton_schulz import NS_PRESETS
-from shardmuon.parallel import parse_mesh_shape
+from shardmuon.parallel import parse_mesh_shape, plan_layout
 from shardmuon.train.loop import OPTIMIZERS, TRAIN_LAYOUTS, TrainConfig, TrainResult, run_training
 from shardmuon.train.resume import RESUME_FIXED, adopt_checkpoint_settings
 
@@ -55,6 +58,7 @@ def add_parser(subparsers) -> None:
         help="reverse-text SFT of a tiny Qwen3/Qwen3-MoE (FSDP2, DCP checkpoints)",
         description=_DESCRIPTION,
         formatter_class=HelpFormatter,
+        allow_abbrev=False,
     )
     train.add_argument(
         "--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model preset"
@@ -65,7 +69,7 @@ def add_parser(subparsers) -> None:
         metavar="N",
         type=int,
         default=defaults.num_layers,
-        help="cut the model to this many decoder layers",
+        help=LAYERS_HELP,
     )
     add_hidden_alias(train, "--num-layers", "num_layers", type=int)
     train.add_argument(
@@ -175,6 +179,7 @@ def add_parser(subparsers) -> None:
         help="overlay loss curves of --json (or --csv) files",
         description="Overlay the loss curves of files written by shardmuon train --json/--csv.",
         formatter_class=HelpFormatter,
+        allow_abbrev=False,
     )
     plot.add_argument("runs", nargs="+", help="loss files written by shardmuon train --json")
     # Not required=True: argparse would not count the --out alias as giving it.
@@ -252,6 +257,10 @@ def _report_outputs(config: TrainConfig, result: TrainResult) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     try:
         config = _config_from_args(args)
+        if config.layout == "fsdp-tp" and config.mesh is None:
+            config.validate()  # a bad value is reported alone, before the note
+            plan = plan_layout(config.layout, config.nproc)
+            note(default_mesh_note([plan], [f"--nproc {config.nproc}"]))
         result = run_training(config)
     except ValueError as err:
         print(f"shardmuon train: error: {err}", file=sys.stderr)
@@ -286,7 +295,7 @@ def _run_plot(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m shardmuon.train [plot] ...``: parse ``argv`` and run; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="shardmuon", formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog="shardmuon", formatter_class=HelpFormatter, allow_abbrev=False)
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
     return args.func(args)

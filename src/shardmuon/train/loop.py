@@ -14,7 +14,9 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -306,6 +308,25 @@ def sft_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
     )
 
 
+def ignore_logits_view_warning(model: nn.Module) -> None:
+    """Silence FSDP2's "returned a view tensor" warning for ``model``'s root, and only it.
+
+    Under ``fsdp-tp`` the logits are ``lm_head``'s ``ColwiseParallel`` output, which
+    ``DTensor.to_local()`` returns as a view of the all-gathered logits; FSDP2 warns, once
+    per rank, that an in-place op on a view its root returned would drop its pre-backward
+    hook. Harmless here: :func:`sft_loss_sum` reads the logits out of place only (slice,
+    float, reshape, cross-entropy), so the hook runs. Copying the logits to avoid the view
+    would cost a logits-sized buffer every step. The filter is process-wide: install it in
+    a rank process (:func:`train_on_rank` at world > 1), not in a caller's.
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message=rf"FSDP2-wrapped module \({re.escape(type(model).__name__)}\) returned a "
+        "view tensor",
+        category=UserWarning,
+    )
+
+
 # ---------------------------------------------------------------------------- one rank
 
 
@@ -356,6 +377,8 @@ def train_on_rank(
     task = ReverseTextTask(config.min_len, config.max_len, config.seed)
     model = build_training_model(config, tokenizer).to(device)
     layout = shard_model(model, config.layout, config.mesh) if world > 1 else TrainLayout()
+    if world > 1 and config.layout == "fsdp-tp":
+        ignore_logits_view_warning(model)
     optimizer = build_optimizer(config, model, layout.expert_mesh_name)
     start, history = _resume(config, model, optimizer, resume_from)
     if start >= config.steps:
