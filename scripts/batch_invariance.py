@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from shardmuon.newton_schulz import newton_schulz, newton_schulz_per_matrix
+from shardmuon.ops.newton_schulz import newton_schulz, newton_schulz_per_matrix
 
 
 def count_differences(orthogonalize, trials: int, seed: int = 0) -> tuple[int, int]:

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import distribute_tensor
 
 from shardmuon import Muon
-from shardmuon.placements import local_tensor
+from shardmuon.planning.placements import local_tensor
 
 __all__ = ["CASES", "make_context"]
 

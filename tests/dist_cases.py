@@ -53,8 +53,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
 from shardmuon import Muon, newton_schulz
-from shardmuon.layout import MuonBatch
-from shardmuon.placements import local_tensor
+from shardmuon.planning.batches import MuonBatch
+from shardmuon.planning.placements import local_tensor
 
 # ------------------------------------------------------- hand-built layouts
 
@@ -272,7 +272,7 @@ def _uneven_chunked(ctx: Context) -> None:
 
 
 def _tiny_moe() -> nn.Module:
-    from shardmuon.models import build_model
+    from shardmuon.harness.models import build_model
 
     return build_model("tiny-moe", num_layers=2, vocab_size=256, seed=0)
 

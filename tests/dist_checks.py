@@ -23,8 +23,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardmuon import Muon
-from shardmuon.layout import MuonBatch
-from shardmuon.placements import local_tensor
+from shardmuon.planning.batches import MuonBatch
+from shardmuon.planning.placements import local_tensor
 
 ALL_WORLDS = (1, 2, 3, 4)
 MULTI_RANK = (2, 3, 4)

@@ -35,8 +35,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from shardmuon import Muon
-from shardmuon.parallel import experts_shard_placement
-from shardmuon.placements import local_tensor
+from shardmuon.harness.parallel import experts_shard_placement
+from shardmuon.planning.placements import local_tensor
 
 __all__ = ["CASES", "cases_for", "make_context"]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from shardmuon.workers import exit_worker
+from shardmuon.harness.processes import exit_worker
 
 __all__ = ["CaseResult", "WorkerContext", "World", "free_ports", "launch_world", "worlds_running"]
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 
 from shardmuon import Muon
-from shardmuon.placements import local_tensor
+from shardmuon.planning.placements import local_tensor
 
 __all__ = ["CASES", "make_context"]
 

@@ -50,8 +50,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardmuon import Muon
-from shardmuon.layout import MuonBatch
-from shardmuon.placements import local_tensor
+from shardmuon.planning.batches import MuonBatch
+from shardmuon.planning.placements import local_tensor
 
 __all__ = ["CASES", "cases_for", "make_context"]
 
@@ -675,7 +675,7 @@ def _local_slice(ctx: TPContext) -> None:
     """``layout.local_slice`` (what checkpoint loading keeps of a whole tensor) is exactly what
     FSDP2 over TP holds, on 4x2 with uneven sizes and under HSDP x TP: checked against the
     arange model's real local elements."""
-    from shardmuon.placements import local_slice
+    from shardmuon.planning.placements import local_slice
 
     problems = []
     for label, tp_mesh, dp_mesh in (
@@ -736,7 +736,7 @@ def _stages(ctx: TPContext) -> None:
     other stage), and each stage steps bitwise like one process."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from shardmuon import placements
+    from shardmuon.planning import placements
 
     ranks = torch.arange(8).view(2, 2, 2).permute(2, 0, 1).contiguous()
     mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("pp", "dp", "tp"))

@@ -19,8 +19,8 @@ from shardmuon.bench import SUBCOMMANDS
 from shardmuon.bench.memory import live_bytes, measure_cpu_step, peak_of_events
 from shardmuon.bench.report import TABLE_WIDTH
 from shardmuon.cli import _default_bench_command, build_parser, main
-from shardmuon.models import MODEL_PRESETS, build_model, param_shapes
-from shardmuon.parallel import plan_layout
+from shardmuon.harness.models import MODEL_PRESETS, build_model, param_shapes
+from shardmuon.harness.parallel import plan_layout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

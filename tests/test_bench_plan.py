@@ -27,11 +27,11 @@ from shardmuon.bench.plan import (
 )
 from shardmuon.bench.report import TABLE_WIDTH
 from shardmuon.cli import main
-from shardmuon.layout import newton_schulz_cost
-from shardmuon.models import param_shapes
-from shardmuon.newton_schulz import NS_PRESETS
-from shardmuon.parallel import LAYOUTS, apply_layout, plan_layout
-from shardmuon.placements import local_tensor
+from shardmuon.harness.models import param_shapes
+from shardmuon.harness.parallel import LAYOUTS, apply_layout, plan_layout
+from shardmuon.ops.newton_schulz import NS_PRESETS
+from shardmuon.planning.batches import newton_schulz_cost
+from shardmuon.planning.placements import local_tensor
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # A small tiny-moe: layer 0 dense, layer 1 MoE (8 experts, gate_up partitioned).

@@ -18,7 +18,6 @@ import torch
 
 import shardmuon.optimizer as optimizer_module
 from shardmuon import Muon
-from shardmuon._launch import free_port, threads_per_rank
 from shardmuon.bench.common import name_seed, relative_difference
 from shardmuon.bench.launch import RankContext
 from shardmuon.bench.optimizers import DEFAULT_OFF, IMPLEMENTATIONS, fsdp_mesh
@@ -26,8 +25,9 @@ from shardmuon.bench.step import parse_impls
 from shardmuon.bench.step_summary import summarize
 from shardmuon.bench.step_worker import replay_newton_schulz, run_order
 from shardmuon.cli import main
-from shardmuon.models import build_model, param_shapes
-from shardmuon.parallel import apply_layout
+from shardmuon.harness.models import build_model, param_shapes
+from shardmuon.harness.parallel import apply_layout
+from shardmuon.harness.processes import free_port, threads_per_rank
 from shardmuon.routing import build_param_groups
 
 # A stand-in for dion's Muon: its constructor signature and its checks on meshes, nothing

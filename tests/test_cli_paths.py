@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from shardmuon import cli_support
 from shardmuon.cli import main
-from shardmuon.cli_support import check_output_dir, check_output_file, check_outputs
+from shardmuon.harness import cli_support
+from shardmuon.harness.cli_support import check_output_dir, check_output_file, check_outputs
 from shardmuon.train import TrainConfig, run_training
 from shardmuon.train import loop as train_loop
 from shardmuon.train.cli import main as train_main

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from shardmuon.cli import build_parser, main
-from shardmuon.telemetry import StepStats
+from shardmuon.runtime.telemetry import StepStats
 
 matplotlib.use("Agg")
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from shardmuon import Muon
 from shardmuon.bench.plan import MAX_WORLD_SIZE, parse_world_sizes
-from shardmuon.newton_schulz import (
+from shardmuon.ops.newton_schulz import (
     newton_schulz,
     newton_schulz_per_matrix,
     newton_schulz_reference,
@@ -248,7 +248,7 @@ def test_bench_plan_refuses_world_sizes_it_cannot_lay_out_in_reasonable_time() -
 
 def test_a_refusal_names_the_first_field_that_differs_and_each_ranks_value() -> None:
     """``first_difference`` (what every rank's agreement error says, issue #19 class 5)."""
-    from shardmuon.agreement import first_difference
+    from shardmuon.runtime.agreement import first_difference
 
     same = ("settings", (("lr", 0.01), ("mu", 0.95)))
     lr = ("settings", (("lr", 0.02), ("mu", 0.95)))

@@ -26,7 +26,7 @@ import torch
 from copies import COPY_METHODS
 from torch import Tensor, nn
 
-import shardmuon.pipeline as pipeline_module
+import shardmuon.runtime.pipeline as pipeline_module
 from shardmuon import Muon
 from shardmuon.config import MuonConfig
 

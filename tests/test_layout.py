@@ -1,4 +1,4 @@
-"""Pure planning logic of ``shardmuon.layout`` (no process groups needed)."""
+"""Pure planning logic of ``shardmuon.planning.batches`` (no process groups needed)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from shardmuon import placements
-from shardmuon.layout import _OwnerPicker, newton_schulz_cost
-from shardmuon.placements import chunk_sizes
+from shardmuon.planning import placements
+from shardmuon.planning.batches import _OwnerPicker, newton_schulz_cost
+from shardmuon.planning.placements import chunk_sizes
 
 
 @pytest.mark.parametrize(("n", "k"), [(30, 4), (3, 4), (8, 4), (1, 3), (0, 2), (17, 5), (64, 1)])
@@ -50,8 +50,8 @@ def test_padded_scheme_volume() -> None:
     """dion's scheme for 5 matrices of 30x16 rows-sharded over 4 ranks: 2 padded pieces of 8 rows
     to each of 3 peers, there and back, in bf16."""
     from shardmuon.bench.volume import padded_scheme_bytes
-    from shardmuon.layout import MuonBatch, Segment
-    from shardmuon.placements import MatrixLayout, Piece, ShardGroup
+    from shardmuon.planning.batches import MuonBatch, Segment
+    from shardmuon.planning.placements import MatrixLayout, Piece, ShardGroup
 
     group = ShardGroup(ranks=(0, 1, 2, 3), rank_index=1, process_group=None)
     rows = ((0, 8), (8, 16), (16, 24), (24, 30))

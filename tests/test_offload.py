@@ -11,7 +11,7 @@ import pytest
 import torch
 from dist_harness import worlds_running
 
-import shardmuon.pipeline as pipeline_module
+import shardmuon.runtime.pipeline as pipeline_module
 from shardmuon import ChunkInfo, Muon
 
 SHAPES = [(48, 32)] * 3 + [(32, 80)] * 2 + [(3, 24, 40)] + [(64, 32)]

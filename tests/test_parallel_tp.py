@@ -21,8 +21,8 @@ from dist_harness import launch_world
 
 from shardmuon.bench.step import parse_impls
 from shardmuon.cli import main
-from shardmuon.models import model_config
-from shardmuon.parallel import LAYOUTS, plan_layout, tensor_parallel_plan
+from shardmuon.harness.models import model_config
+from shardmuon.harness.parallel import LAYOUTS, plan_layout, tensor_parallel_plan
 from shardmuon.train import TrainConfig
 from shardmuon.train.cli import main as train_main
 from shardmuon.train.loop import run_training
@@ -111,8 +111,8 @@ def _forward_backward(mesh: tuple[int, int]):
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
-        from shardmuon.models import build_model
-        from shardmuon.parallel import apply_layout
+        from shardmuon.harness.models import build_model
+        from shardmuon.harness.parallel import apply_layout
 
         reference = build_model("tiny-moe", num_layers=LAYERS, vocab_size=VOCAB, seed=3)
         model = build_model("tiny-moe", num_layers=LAYERS, vocab_size=VOCAB, seed=3)

@@ -17,8 +17,8 @@ from dist_harness import worlds_running
 
 from shardmuon import Muon
 from shardmuon.bench.memory import gemm_scratch_bytes, measure_cpu_step
-from shardmuon.newton_schulz import newton_schulz, resolve_coefficients
-from shardmuon.workspace import (
+from shardmuon.ops.newton_schulz import newton_schulz, resolve_coefficients
+from shardmuon.planning.workspace import (
     BatchBytes,
     newton_schulz_bytes,
     schedule,
@@ -159,7 +159,7 @@ def test_newton_schulz_in_place_is_bitwise_and_saves_a_copy(shape) -> None:
 
 
 def test_newton_schulz_normalisation_in_slices_is_bitwise(monkeypatch) -> None:
-    ns_module = importlib.import_module("shardmuon.newton_schulz")  # the module, not the fn
+    ns_module = importlib.import_module("shardmuon.ops.newton_schulz")  # the module, not the fn
 
     G = torch.randn(2, 96, 200, generator=torch.Generator().manual_seed(4)).bfloat16()
     whole = newton_schulz(G)
@@ -285,7 +285,7 @@ def test_distributed(worlds, name) -> None:
 
 
 def test_adamw_runs_fit_the_budget_and_do_not_change_the_bits() -> None:
-    from shardmuon.adamw import TEMP_BYTES_PER_ELEMENT, _runs, adamw_update_
+    from shardmuon.ops.adamw import TEMP_BYTES_PER_ELEMENT, _runs, adamw_update_
 
     sizes = [100, 30, 500, 20, 20]
     runs = _runs(sizes, 160 * TEMP_BYTES_PER_ELEMENT)

@@ -1,7 +1,6 @@
 """shardmuon: Muon for PyTorch that reads its distribution from DTensor placements."""
 
-from shardmuon.layout import MuonBatch
-from shardmuon.newton_schulz import (
+from shardmuon.ops.newton_schulz import (
     NS_PRESETS,
     newton_schulz,
     newton_schulz_reference,
@@ -9,8 +8,9 @@ from shardmuon.newton_schulz import (
     resolve_coefficients,
 )
 from shardmuon.optimizer import Muon
-from shardmuon.plan import AdamWChunk, ChunkInfo
-from shardmuon.telemetry import StepStats
+from shardmuon.planning.batches import MuonBatch
+from shardmuon.planning.plan import AdamWChunk, ChunkInfo
+from shardmuon.runtime.telemetry import StepStats
 
 __all__ = [
     "NS_PRESETS",

@@ -4,7 +4,7 @@ package provides it, ``shardmuon train``.
 Bad arguments exit with status 2 and a one-line message (argparse's convention), never a
 traceback: the commands raise ``ValueError`` for invalid values and :func:`main` reports it.
 Flags are never abbreviated, and a mistyped one gets "did you mean"
-(:class:`shardmuon.cli_support.ArgumentParser`).
+(:class:`shardmuon.harness.cli_support.ArgumentParser`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from shardmuon.cli_support import ArgumentParser, HelpFormatter
+from shardmuon.harness.cli_support import ArgumentParser, HelpFormatter
 
 __all__ = ["build_parser", "main"]
 

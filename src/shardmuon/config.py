@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from torch import nn
 
-from shardmuon.newton_schulz import resolve_coefficients
+from shardmuon.ops.newton_schulz import resolve_coefficients
+from shardmuon.ops.update import ADJUST_LR_CHOICES
+from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES
 from shardmuon.routing import build_param_groups
-from shardmuon.update import ADJUST_LR_CHOICES
-from shardmuon.workspace import DEFAULT_WORKSPACE_BYTES
 
 if TYPE_CHECKING:
     from shardmuon.optimizer import Muon

@@ -20,18 +20,28 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-from shardmuon.agreement import AgreementSettings, agreement_groups, check_agreement
-from shardmuon.exchange import warmup_groups
-from shardmuon.layout import MuonBatch, Segment, batch_key
-from shardmuon.newton_schulz import (
+from shardmuon.ops.newton_schulz import (
     newton_schulz,
     newton_schulz_compiled,
     newton_schulz_per_matrix,
     newton_schulz_unfolded,
     resolve_coefficients,
 )
-from shardmuon.offload import OFFLOAD_CHOICES, StateStager, host_copy
-from shardmuon.pipeline import (
+from shardmuon.planning.batches import MuonBatch, Segment, batch_key
+from shardmuon.planning.placements import ShardGroup, local_tensor
+from shardmuon.planning.plan import (
+    AdamWChunk,
+    ChunkInfo,
+    Plan,
+    build_plan,
+    plan_settings,
+    setting_float,
+)
+from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES, batch_bytes, step_schedule
+from shardmuon.runtime.agreement import AgreementSettings, agreement_groups, check_agreement
+from shardmuon.runtime.exchange import warmup_groups
+from shardmuon.runtime.offload import OFFLOAD_CHOICES, StateStager, host_copy
+from shardmuon.runtime.pipeline import (
     AdamWProgress,
     BatchRun,
     StepContext,
@@ -43,10 +53,8 @@ from shardmuon.pipeline import (
     step_adamw,
     step_batch,
 )
-from shardmuon.placements import ShardGroup, local_tensor
-from shardmuon.plan import AdamWChunk, ChunkInfo, Plan, build_plan, plan_settings, setting_float
+from shardmuon.runtime.telemetry import StepStats
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
-from shardmuon.telemetry import StepStats
 from shardmuon.validation import (
     MOMENTUM_ALIAS,
     apply_momentum_alias,
@@ -57,7 +65,6 @@ from shardmuon.validation import (
     check_mesh,
     check_number,
 )
-from shardmuon.workspace import DEFAULT_WORKSPACE_BYTES, batch_bytes, step_schedule
 
 __all__ = ["Muon"]
 

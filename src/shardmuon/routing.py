@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from shardmuon.update import ADJUST_LR_CHOICES
+from shardmuon.ops.update import ADJUST_LR_CHOICES
 
 __all__ = [
     "ADAMW",

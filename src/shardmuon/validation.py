@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from shardmuon.update import ADJUST_LR_CHOICES
+from shardmuon.ops.update import ADJUST_LR_CHOICES
 
 __all__ = [
     "ALGORITHMS",

@@ -12,7 +12,7 @@ SUBCOMMANDS = ("step", "ns", "ab", "plan")
 def add_parser(subparsers) -> None:
     """Register ``bench`` and its sub-commands on ``subparsers`` (argparse sub-parsers)."""
     from shardmuon.bench import ab, ns, plan, step
-    from shardmuon.cli_support import HelpFormatter
+    from shardmuon.harness.cli_support import HelpFormatter
 
     bench = subparsers.add_parser(
         "bench",

@@ -31,9 +31,9 @@ from shardmuon.bench.report import (
     set_threads,
     write_outputs,
 )
-from shardmuon.cli_support import HelpFormatter, add_hidden_alias, check_outputs
-from shardmuon.models import attention_dims, build_model
-from shardmuon.newton_schulz import NS_PRESETS, newton_schulz_reference
+from shardmuon.harness.cli_support import HelpFormatter, add_hidden_alias, check_outputs
+from shardmuon.harness.models import attention_dims, build_model
+from shardmuon.ops.newton_schulz import NS_PRESETS, newton_schulz_reference
 
 __all__ = ["ROWS", "add_parser", "reference_muon_step", "run"]
 

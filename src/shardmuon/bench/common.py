@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from shardmuon.cli_support import LAYERS_HELP
+from shardmuon.harness.cli_support import LAYERS_HELP
 
 __all__ = ["add_model_arguments", "add_output_arguments", "name_seed", "relative_difference"]
 
@@ -35,8 +35,8 @@ def relative_difference(ours: Tensor | Sequence[Tensor], ref: Tensor | Sequence[
 
 
 def add_model_arguments(parser, default: str) -> None:
-    """``--model`` (a preset of :mod:`shardmuon.models`, default ``default``) and ``--layers``."""
-    from shardmuon.models import MODEL_PRESETS
+    """``--model`` (a preset of :mod:`shardmuon.harness.models`, default ``default``) and ``--layers``."""
+    from shardmuon.harness.models import MODEL_PRESETS
 
     parser.add_argument(
         "--model", choices=sorted(MODEL_PRESETS), default=default, help="model preset"

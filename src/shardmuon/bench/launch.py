@@ -19,8 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardmuon._launch import free_port, threads_per_rank
-from shardmuon.workers import exit_worker
+from shardmuon.harness.processes import exit_worker, free_port, threads_per_rank
 
 __all__ = ["RankContext", "launch", "torchrun_world_size"]
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardmuon.placements import local_tensor
+from shardmuon.planning.placements import local_tensor
 
 __all__ = ["StepMemory", "gemm_scratch_bytes", "live_bytes", "measure_cpu_step", "peak_of_events"]
 

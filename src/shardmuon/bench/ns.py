@@ -22,8 +22,8 @@ from shardmuon.bench.report import (
     set_threads,
     write_outputs,
 )
-from shardmuon.cli_support import HelpFormatter, add_hidden_alias, check_outputs
-from shardmuon.newton_schulz import (
+from shardmuon.harness.cli_support import HelpFormatter, add_hidden_alias, check_outputs
+from shardmuon.ops.newton_schulz import (
     NS_PRESETS,
     newton_schulz,
     newton_schulz_reference,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardmuon.models import attention_dims
+from shardmuon.harness.models import attention_dims
 
 __all__ = [
     "DEFAULT_OFF",
@@ -89,7 +89,7 @@ def make_optimizer(
 ):
     """Implementation ``impl`` (one of :data:`IMPLEMENTATIONS`) over ``model``'s params.
 
-    ``meshes``: the meshes the layout built, by name (:class:`shardmuon.parallel.AppliedLayout`);
+    ``meshes``: the meshes the layout built, by name (:class:`shardmuon.harness.parallel.AppliedLayout`);
     only ``dion`` reads them.
     """
     from shardmuon import Muon

@@ -1,8 +1,8 @@
 """``shardmuon bench plan``: the optimizer's plan for a real model at any scale, run nowhere.
 
-For each simulated world size ``W``, the model preset (``shardmuon.models``) is built on the
+For each simulated world size ``W``, the model preset (``shardmuon.harness.models``) is built on the
 ``meta`` device, so nothing is allocated, and laid out by
-:func:`shardmuon.parallel.apply_layout` as ``bench step`` and training lay it out
+:func:`shardmuon.harness.parallel.apply_layout` as ``bench step`` and training lay it out
 (``fully_shard`` / ``distribute_tensor``). Every rank's view is made in this one process:
 torch's fake process group (``FakeStore`` and the ``"fake"`` backend) is initialised as rank
 ``r`` of ``W``, the params are routed with :func:`shardmuon.routing.build_param_groups` as
@@ -14,7 +14,7 @@ communicating. Nothing is stepped. From the batches of ``opt.chunks()``, per ran
   this (``last_step_stats.bytes_sent``; ``tests/test_bench_plan.py`` compares the two on gloo);
 * **Newton–Schulz FLOPs**: ``newton_schulz_cost(rows, cols, partitions)`` times the number
   of iterations, for each matrix the rank owns and each matrix of its local batches;
-* **workspace peak**: ``shardmuon.workspace.workspace_peak_bytes`` of the rank's batches
+* **workspace peak**: ``shardmuon.planning.workspace.workspace_peak_bytes`` of the rank's batches
   under the optimizer's ``workspace_bytes`` and ``max_in_flight`` (what a real step reports
   as ``last_step_stats.workspace_peak_bytes``).
 
@@ -57,27 +57,27 @@ from shardmuon.bench.common import add_model_arguments, add_output_arguments
 from shardmuon.bench.optimizers import make_optimizer
 from shardmuon.bench.report import fmt, new_progress, print_table, write_outputs
 from shardmuon.bench.volume import padded_scheme_bytes
-from shardmuon.cli_support import (
+from shardmuon.harness.cli_support import (
     HelpFormatter,
     check_mesh,
     check_outputs,
     default_mesh_note,
     note,
 )
-from shardmuon.exchange import BatchExchange
-from shardmuon.layout import MuonBatch, newton_schulz_cost
-from shardmuon.models import model_config
-from shardmuon.newton_schulz import NS_PRESETS
-from shardmuon.parallel import LAYOUTS, LayoutPlan, apply_layout
-from shardmuon.placements import (
+from shardmuon.harness.models import model_config
+from shardmuon.harness.parallel import LAYOUTS, LayoutPlan, apply_layout
+from shardmuon.ops.newton_schulz import NS_PRESETS
+from shardmuon.planning.batches import MuonBatch, newton_schulz_cost
+from shardmuon.planning.placements import (
     MatrixLayout,
     ShardGroup,
     chunk_sizes,
     local_tensor,
     shard_ranges,
 )
-from shardmuon.telemetry import StepStats
-from shardmuon.workspace import workspace_peak_bytes
+from shardmuon.planning.workspace import workspace_peak_bytes
+from shardmuon.runtime.exchange import BatchExchange
+from shardmuon.runtime.telemetry import StepStats
 
 __all__ = [
     "PlanConfig",
@@ -102,7 +102,7 @@ PER_RANK_JSON_LIMIT = 4096
 @dataclass(frozen=True)
 class PlanConfig:
     """What is planned: model, layout and the optimizer settings that change the plan (the
-    world sizes and meshes are the :class:`~shardmuon.parallel.LayoutPlan` of each run)."""
+    world sizes and meshes are the :class:`~shardmuon.harness.parallel.LayoutPlan` of each run)."""
 
     model: str
     layers: int | None
@@ -208,7 +208,7 @@ def evaluate_rank(base: nn.Module, cfg: PlanConfig, plan: LayoutPlan, rank: int)
             meshes=applied.meshes,
         )
         names = {id(p): n for n, p in model.named_parameters()}
-        # Segments index the Muon params in the order of the Muon groups (shardmuon.plan).
+        # Segments index the Muon params in the order of the Muon groups (shardmuon.planning.plan).
         params = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
         batches = [c for c in opt.chunks() if isinstance(c, MuonBatch)]
         return RankPlan(
@@ -551,7 +551,7 @@ def _symmetric_placement(placement, ndim: int) -> bool:
 
 def _strided_local_shape(spec, coord: tuple[int, ...]) -> tuple[int, ...]:
     """A local shape under placements with ``_StridedShard``: each dim's shards applied in
-    FSDP2's order (:func:`shardmuon.placements.shard_ranges`)."""
+    FSDP2's order (:func:`shardmuon.planning.placements.shard_ranges`)."""
     shape = list(spec.shape)
     for d in range(len(shape)):
         splits = [

@@ -104,7 +104,7 @@ def _jsonable(value: Any) -> Any:
 def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     """Write ``payload`` as indented JSON (non-finite floats become ``null``); returns the path.
 
-    Check the path with :func:`shardmuon.cli_support.check_output_file` before the work.
+    Check the path with :func:`shardmuon.harness.cli_support.check_output_file` before the work.
     """
     out = Path(path)
     if out.parent and not out.parent.exists():
@@ -252,7 +252,7 @@ def write_outputs(
     The JSON holds ``benchmark``, the :func:`environment` (``env``: its ``world_size`` and
     ``threads``) and ``payload``; the plot is ``draw(ax)`` under ``title``.
     """
-    from shardmuon.cli_support import note_written
+    from shardmuon.harness.cli_support import note_written
 
     if args.json:
         environ = environment(argv=getattr(args, "argv", None), **env)

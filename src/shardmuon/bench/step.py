@@ -1,7 +1,7 @@
 """``shardmuon bench step``: the optimizer step on a real model layout, implementations side by side.
 
-Setup as in training: model preset (``shardmuon.models``) built on the ``meta`` device and
-laid out (``shardmuon.parallel``), materialised with only this rank's shards, params routed
+Setup as in training: model preset (``shardmuon.harness.models``) built on the ``meta`` device and
+laid out (``shardmuon.harness.parallel``), materialised with only this rank's shards, params routed
 (``shardmuon.routing``) into ``Muon(..., nesterov=True, weight_decay=0.1)`` and the other
 implementations (``shardmuon.bench.optimizers``). Weights and grads are random from seeds
 that depend on the parameter name, the step and the rank only, so every implementation sees
@@ -29,7 +29,7 @@ from shardmuon.bench.optimizers import (
 from shardmuon.bench.report import write_outputs
 from shardmuon.bench.step_summary import draw, print_results, summarize
 from shardmuon.bench.step_worker import ORDERS, StepConfig, worker
-from shardmuon.cli_support import (
+from shardmuon.harness.cli_support import (
     HelpFormatter,
     add_hidden_alias,
     check_mesh,
@@ -37,8 +37,8 @@ from shardmuon.cli_support import (
     default_mesh_note,
     note,
 )
-from shardmuon.newton_schulz import NS_PRESETS
-from shardmuon.parallel import LAYOUTS, parse_mesh_shape
+from shardmuon.harness.parallel import LAYOUTS, parse_mesh_shape
+from shardmuon.ops.newton_schulz import NS_PRESETS
 
 DEFAULT_MODEL = "tiny-moe"
 

@@ -9,7 +9,7 @@ import statistics
 from typing import Any
 
 from shardmuon.bench.report import fmt, print_table, spread
-from shardmuon.cli_support import note
+from shardmuon.harness.cli_support import note
 
 __all__ = ["draw", "print_results", "summarize"]
 

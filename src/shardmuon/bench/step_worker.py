@@ -20,9 +20,9 @@ from shardmuon.bench.memory import StepMemory, live_bytes, measure_cpu_step
 from shardmuon.bench.optimizers import make_optimizer, shardmuon_options
 from shardmuon.bench.report import new_progress, repeat_times, synchronize
 from shardmuon.bench.volume import padded_scheme_bytes
-from shardmuon.models import model_config
-from shardmuon.parallel import apply_layout
-from shardmuon.placements import local_tensor
+from shardmuon.harness.models import model_config
+from shardmuon.harness.parallel import apply_layout
+from shardmuon.planning.placements import local_tensor
 
 __all__ = ["ORDERS", "StepConfig", "replay_newton_schulz", "run_order", "worker"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from shardmuon.layout import MuonBatch
-from shardmuon.telemetry import BF16_BYTES
+from shardmuon.planning.batches import MuonBatch
+from shardmuon.runtime.telemetry import BF16_BYTES
 
 __all__ = ["padded_scheme_bytes"]
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from shardmuon.cli_support import (
+from shardmuon.harness.cli_support import (
     LAYERS_HELP,
     ArgumentParser,
     HelpFormatter,
@@ -24,9 +24,9 @@ from shardmuon.cli_support import (
     note,
     note_written,
 )
-from shardmuon.models import MODEL_PRESETS
-from shardmuon.newton_schulz import NS_PRESETS
-from shardmuon.parallel import parse_mesh_shape, plan_layout
+from shardmuon.harness.models import MODEL_PRESETS
+from shardmuon.harness.parallel import parse_mesh_shape, plan_layout
+from shardmuon.ops.newton_schulz import NS_PRESETS
 from shardmuon.train.loop import OPTIMIZERS, TRAIN_LAYOUTS, TrainConfig, TrainResult, run_training
 from shardmuon.train.resume import RESUME_FIXED, adopt_checkpoint_settings
 

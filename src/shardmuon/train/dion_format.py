@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from shardmuon.placements import local_slice
+from shardmuon.planning.placements import local_slice
 from shardmuon.train.checkpoint import CheckpointError
 
 

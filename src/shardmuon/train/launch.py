@@ -12,9 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardmuon._launch import free_port, threads_per_rank
+from shardmuon.harness.processes import exit_worker, free_port, threads_per_rank
 from shardmuon.train.loop import TrainConfig, TrainResult, train_on_rank
-from shardmuon.workers import exit_worker
 
 __all__ = ["spawn_training"]
 

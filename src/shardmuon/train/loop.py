@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardmuon._launch import threads_per_rank
-from shardmuon.cli_support import check_outputs, note
+from shardmuon.harness.cli_support import check_outputs, note
+from shardmuon.harness.processes import threads_per_rank
 from shardmuon.train import checkpoint as ckpt_io
 from shardmuon.train import dion_format, recovery
 from shardmuon.train.data import (
@@ -67,7 +67,7 @@ class TrainConfig:
     max_len: int = 8
     nproc: int = 2
     layout: str = "fsdp"
-    # fsdp-tp only: (dp, tp); None = shardmuon.parallel's default for nproc (4 -> 2x2).
+    # fsdp-tp only: (dp, tp); None = shardmuon.harness.parallel's default for nproc (4 -> 2x2).
     mesh: tuple[int, ...] | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -88,8 +88,8 @@ class TrainConfig:
                     "'fsdp-tp' takes a mesh (DPxTP)"
                 )
             return
-        from shardmuon.models import attention_dims
-        from shardmuon.parallel import plan_layout
+        from shardmuon.harness.models import attention_dims
+        from shardmuon.harness.parallel import plan_layout
 
         mesh = None if self.mesh is None else tuple(self.mesh)
         shape = plan_layout(self.layout, self.nproc, mesh).mesh_shape
@@ -104,7 +104,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what is accepted."""
-        from shardmuon.models import MODEL_PRESETS
+        from shardmuon.harness.models import MODEL_PRESETS
 
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"model {self.model!r} unknown; accepted: {sorted(MODEL_PRESETS)}")
@@ -196,7 +196,7 @@ def range_means(losses: dict[int, float]) -> dict[str, float]:
 
 def build_training_model(config: TrainConfig, tokenizer: CharTokenizer) -> nn.Module:
     """The (unsharded) model: preset ``config.model`` with the tokenizer's vocabulary."""
-    from shardmuon.models import build_model
+    from shardmuon.harness.models import build_model
 
     return build_model(
         config.model,
@@ -225,7 +225,7 @@ class TrainLayout:
 def shard_model(model: nn.Module, layout: str, mesh: tuple[int, ...] | None = None) -> TrainLayout:
     """Apply ``layout`` over the default process group; returns what the loop needs.
 
-    ``fsdp``: ``shardmuon.parallel.apply_layout(model, "fsdp")``. ``ep``: each MoE ``experts``
+    ``fsdp``: ``shardmuon.harness.parallel.apply_layout(model, "fsdp")``. ``ep``: each MoE ``experts``
     module is its own FSDP unit on a mesh named ``"ep"`` (expert stacks ``Shard(0)`` over the
     expert dim, so each rank owns whole experts and Muon orthogonalizes them locally); the
     rest as ``fsdp``. The forward all-gathers the experts (no token all-to-all), which trains
@@ -233,7 +233,7 @@ def shard_model(model: nn.Module, layout: str, mesh: tuple[int, ...] | None = No
     ``apply_layout(model, "fsdp-tp", mesh_shape=mesh)`` (tensor parallel over ``tp``, FSDP2
     over ``dp``); the batch is split over ``dp`` only.
     """
-    from shardmuon.parallel import apply_layout, decoder_layers, expert_modules
+    from shardmuon.harness.parallel import apply_layout, decoder_layers, expert_modules
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if layout == "fsdp":
@@ -269,7 +269,7 @@ def build_optimizer(
             weight_decay=config.weight_decay,
         )
     from shardmuon import Muon
-    from shardmuon.models import attention_dims
+    from shardmuon.harness.models import attention_dims
     from shardmuon.routing import build_param_groups
 
     routed = build_param_groups(

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardmuon.layout import MuonBatch
-from shardmuon.placements import ShardGroup
+from shardmuon.planning.batches import MuonBatch
+from shardmuon.planning.placements import ShardGroup
 
 __all__ = [
     "AgreementSettings",
@@ -224,7 +224,7 @@ def collective_order(
     issues them: ``("gather"|"return"|"broadcast", position)``.
 
     Collectives over one group must be issued in the same order by all its members; the
-    order follows from the schedule (:func:`shardmuon.workspace.step_schedule`), so equal
+    order follows from the schedule (:func:`shardmuon.planning.workspace.step_schedule`), so equal
     descriptions prove it pairs up, whatever made two ranks' schedules differ.
     """
     order = []

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from shardmuon.telemetry import StepStats
+from shardmuon.runtime.telemetry import StepStats
 
 __all__ = ["OFFLOAD_CHOICES", "StateStager", "host_copy"]
 

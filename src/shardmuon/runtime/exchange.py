@@ -6,7 +6,7 @@ piece sizes (bf16). A rank that owns no matrix of the batch receives nothing; a 
 an empty shard has size 0. Nothing is padded and no dummy matrix exists.
 
 Phase 2 (the owner): puts each piece's blocks in their place in the whole matrix (each
-piece is a set of global row and column ranges, :class:`~shardmuon.placements.Piece`) and
+piece is a set of global row and column ranges, :class:`~shardmuon.planning.placements.Piece`) and
 orthogonalizes it (done by the caller, between the phases).
 
 Phase 3 (return): the owner cuts the result into the same pieces and a second
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardmuon.placements import MatrixLayout, ShardGroup
-from shardmuon.telemetry import BF16_BYTES, StepStats
+from shardmuon.planning.placements import MatrixLayout, ShardGroup
+from shardmuon.runtime.telemetry import BF16_BYTES, StepStats
 
 __all__ = ["BatchExchange", "warmup_groups"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shardmuon.parallel import LayoutPlan
+    from shardmuon.harness.parallel import LayoutPlan
 
 __all__ = [
     "LAYERS_HELP",
@@ -282,14 +282,14 @@ MESH_FORMS = {"fsdp": "N", "hsdp": "REPLICATExSHARD", "ep": "EPxDP", "fsdp-tp": 
 def check_mesh(
     layout: str, world_size: int, mesh_shape: tuple[int, ...] | None, world: str
 ) -> LayoutPlan:
-    """:func:`shardmuon.parallel.plan_layout`, with ``--mesh`` errors in a command's terms.
+    """:func:`shardmuon.harness.parallel.plan_layout`, with ``--mesh`` errors in a command's terms.
 
     ``world`` says where ``world_size`` comes from, as the command spells it
     (``"--nproc 3"``, ``"--world-size 8"``): a mesh whose dims do not multiply to it is
     refused naming it, not "the number of processes" (``bench plan`` starts none). Raises
     ``ValueError`` naming the ``--mesh`` given and the form accepted, with an example.
     """
-    from shardmuon.parallel import plan_layout
+    from shardmuon.harness.parallel import plan_layout
 
     if mesh_shape is None:
         return plan_layout(layout, world_size)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from shardmuon.update import lr_scale
+from shardmuon.ops.update import lr_scale
 
 __all__ = [
     "check_partitions",

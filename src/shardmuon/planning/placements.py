@@ -15,7 +15,7 @@ Every rank of a group computes every other rank's **piece** of a matrix from the
 alone (:func:`shard_ranges`: ``Shard`` is ``torch.chunk``; ``_StridedShard`` is read as
 FSDP2 lays it out): the global rows and columns it holds, as ranges in its local order.
 Pieces are exact (uneven and empty ones included), so nothing is padded. This is the only
-module that reads ``placements``; :mod:`shardmuon.layout` plans batches from its results.
+module that reads ``placements``; :mod:`shardmuon.planning.batches` plans batches from its results.
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from shardmuon.layout import MuonBatch, PlanEntry, plan_batches
-from shardmuon.partitions import check_partitions, dion_group_partitions, row_scales
-from shardmuon.placements import MatrixLayout, matrix_layout
-from shardmuon.workspace import DEFAULT_WORKSPACE_BYTES, local_batch_size
+from shardmuon.ops.partitions import check_partitions, dion_group_partitions, row_scales
+from shardmuon.planning.batches import MuonBatch, PlanEntry, plan_batches
+from shardmuon.planning.placements import MatrixLayout, matrix_layout
+from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES, local_batch_size
 
 __all__ = ["AdamWChunk", "ChunkInfo", "Plan", "build_plan", "plan_settings", "setting_float"]
 

@@ -12,7 +12,7 @@
    shard over the replicate dim; every rank applies decoupled weight decay and
    ``X -= lr*scale*O`` to its own shard, reading the results where they were received.
 
-:func:`run_step` runs every batch in the order :func:`shardmuon.workspace.schedule`
+:func:`run_step` runs every batch in the order :func:`shardmuon.planning.workspace.schedule`
 gives: several batches in flight (all-to-alls overlap Newton–Schulz), bounded by
 ``max_in_flight`` and by the workspace budget in bytes. ``step_chunk`` runs the same
 phases for one chunk; each phase is element-wise or per matrix, so both give the same
@@ -28,17 +28,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardmuon.adamw import adamw_temp_bytes, adamw_update_
-from shardmuon.exchange import BatchExchange
-from shardmuon.layout import MuonBatch, Segment
-from shardmuon.newton_schulz import newton_schulz
-from shardmuon.offload import StateStager
-from shardmuon.partitions import orthogonalize_blocks
-from shardmuon.placements import local_tensor
-from shardmuon.plan import AdamWChunk, Plan, setting_float
-from shardmuon.telemetry import StepStats
-from shardmuon.update import direction, momentum_update_, weight_update_
-from shardmuon.workspace import batch_bytes, step_schedule
+from shardmuon.ops.adamw import adamw_temp_bytes, adamw_update_
+from shardmuon.ops.newton_schulz import newton_schulz
+from shardmuon.ops.partitions import orthogonalize_blocks
+from shardmuon.ops.update import direction, momentum_update_, weight_update_
+from shardmuon.planning.batches import MuonBatch, Segment
+from shardmuon.planning.placements import local_tensor
+from shardmuon.planning.plan import AdamWChunk, Plan, setting_float
+from shardmuon.planning.workspace import batch_bytes, step_schedule
+from shardmuon.runtime.exchange import BatchExchange
+from shardmuon.runtime.offload import StateStager
+from shardmuon.runtime.telemetry import StepStats
 
 __all__ = [
     "AdamWProgress",

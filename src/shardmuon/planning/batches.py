@@ -1,6 +1,6 @@
 """From matrix layouts to a plan: which matrices are orthogonalized together, and by whom.
 
-:mod:`shardmuon.placements` reads each parameter's ``MatrixLayout`` (its pieces and group).
+:mod:`shardmuon.planning.placements` reads each parameter's ``MatrixLayout`` (its pieces and group).
 Here, exchanged matrices with the same layout (global matrix shape, pieces, group, dtype,
 partitions, eps) are cut into batches of ``k`` matrices. Within a batch each matrix has
 one owner rank that receives all its pieces; owners continue round-robin from one batch
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardmuon.placements import MatrixLayout
+from shardmuon.planning.placements import MatrixLayout
 
 __all__ = [
     "MuonBatch",

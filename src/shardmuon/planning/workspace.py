@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardmuon.layout import MuonBatch
-from shardmuon.newton_schulz import NORMALIZE_CHUNK_ELEMENTS
+from shardmuon.ops.newton_schulz import NORMALIZE_CHUNK_ELEMENTS
+from shardmuon.planning.batches import MuonBatch
 
 __all__ = [
     "DEFAULT_WORKSPACE_BYTES",
