@@ -315,7 +315,7 @@ def _unreplayable(ctx: Context) -> None:
     from dist_checks import make_optimizer, place, random_tensors
     from torch import nn
 
-    from shardmuon.runtime.pipeline import StepContext
+    from shardmuon.runtime.phases import StepContext
 
     specs = [Spec((8, 4), (S0,)), Spec((8, 4), (S0,)), Spec((6, 5))]
     problems = []

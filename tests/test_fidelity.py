@@ -26,7 +26,7 @@ import torch
 from copies import COPY_METHODS
 from torch import Tensor, nn
 
-import shardmuon.runtime.pipeline as pipeline_module
+import shardmuon.runtime.phases as phases_module
 from shardmuon import Muon
 from shardmuon.config import MuonConfig
 
@@ -1200,23 +1200,23 @@ INJECTIONS = [
 def _inject(kind: str, opt: Muon, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """Install the failure; return a function that arms it."""
     if kind == "orthogonalize":
-        fail = _FailOnce(pipeline_module.StepContext.orthogonalize)
+        fail = _FailOnce(phases_module.StepContext.orthogonalize)
         monkeypatch.setattr(
-            pipeline_module.StepContext, "orthogonalize", lambda ctx, *args: fail(ctx, *args)
+            phases_module.StepContext, "orthogonalize", lambda ctx, *args: fail(ctx, *args)
         )
     elif kind == "weight_update-second-segment":
-        fail = _FailOnce(pipeline_module.weight_update_, nth=2)
-        monkeypatch.setattr(pipeline_module, "weight_update_", fail)
+        fail = _FailOnce(phases_module.weight_update_, nth=2)
+        monkeypatch.setattr(phases_module, "weight_update_", fail)
     elif kind == "momentum_update-second-segment":
-        fail = _FailOnce(pipeline_module.momentum_update_, nth=2)
-        monkeypatch.setattr(pipeline_module, "momentum_update_", fail)
+        fail = _FailOnce(phases_module.momentum_update_, nth=2)
+        monkeypatch.setattr(phases_module, "momentum_update_", fail)
     elif kind == "adamw-after-first-param":
-        wrapper = _adamw_failing_after_first_param(pipeline_module.adamw_update_)
-        monkeypatch.setattr(pipeline_module, "adamw_update_", wrapper)
+        wrapper = _adamw_failing_after_first_param(phases_module.adamw_update_)
+        monkeypatch.setattr(phases_module, "adamw_update_", wrapper)
         return lambda: wrapper.state.update(armed=True)
     else:
-        fail = _FailOnce(pipeline_module.adamw_update_)
-        monkeypatch.setattr(pipeline_module, "adamw_update_", fail)
+        fail = _FailOnce(phases_module.adamw_update_)
+        monkeypatch.setattr(phases_module, "adamw_update_", fail)
 
     def arm() -> None:
         fail.armed = True

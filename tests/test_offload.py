@@ -11,7 +11,7 @@ import pytest
 import torch
 from dist_harness import worlds_running
 
-import shardmuon.runtime.pipeline as pipeline_module
+import shardmuon.runtime.phases as phases_module
 from shardmuon import ChunkInfo, Muon
 
 SHAPES = [(48, 32)] * 3 + [(32, 80)] * 2 + [(3, 24, 40)] + [(64, 32)]
@@ -138,7 +138,7 @@ def test_failed_chunk_keeps_host_state_consistent(monkeypatch) -> None:
     _set_grads(params, 1)
     opt.step()
     _set_grads(params, 2)
-    real = pipeline_module.StepContext.orthogonalize
+    real = phases_module.StepContext.orthogonalize
     calls = {"n": 0}
 
     def fail_once(ctx, *args):
@@ -147,7 +147,7 @@ def test_failed_chunk_keeps_host_state_consistent(monkeypatch) -> None:
             raise RuntimeError("injected")
         return real(ctx, *args)
 
-    monkeypatch.setattr(pipeline_module.StepContext, "orthogonalize", fail_once)
+    monkeypatch.setattr(phases_module.StepContext, "orthogonalize", fail_once)
     chunks = opt.chunks()
     with pytest.raises(RuntimeError, match="injected"):
         opt.step_chunk(chunks[0])

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from shardmuon.ops.newton_schulz import (
@@ -40,19 +39,10 @@ from shardmuon.planning.plan import (
 from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES, batch_bytes, step_schedule
 from shardmuon.runtime.agreement import AgreementSettings, agreement_groups, check_agreement
 from shardmuon.runtime.exchange import warmup_groups
-from shardmuon.runtime.offload import OFFLOAD_CHOICES, StateStager, host_copy
-from shardmuon.runtime.pipeline import (
-    AdamWProgress,
-    BatchRun,
-    StepContext,
-    adamw_state_views,
-    momentum_views,
-    new_run,
-    orthogonalize_run,
-    run_step,
-    step_adamw,
-    step_batch,
-)
+from shardmuon.runtime.offload import OFFLOAD_CHOICES, StateStager
+from shardmuon.runtime.phases import BatchRun, StepContext, orthogonalize_run
+from shardmuon.runtime.pipeline import new_progress, run_step, step_one_chunk
+from shardmuon.runtime.state import advance_step_counters, host_state_entries, init_state
 from shardmuon.runtime.telemetry import StepStats
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.validation import (
@@ -359,64 +349,8 @@ class Muon(Optimizer):
         self._plan_verified = False
 
     def _init_state(self) -> None:
-        """Create state for every parameter now: DCP needs the same keys on every rank.
-
-        Besides dion's keys, each parameter has a ``step`` counter (a 0-d float32 CPU
-        tensor, as in ``torch.optim``) that mirrors its group's ``step``: a checkpoint
-        loaded in place into the tensors of ``state_dict()`` (DCP without
-        ``load_state_dict``, as prime-rl's loader does) restores the count through it.
-        """
-        for index, group in enumerate(self.param_groups):
-            counted = self._counted_steps.get(index)
-            for p in group["params"]:
-                state = self.state[p]
-                keys = ("momentum", "variance") if group["algorithm"] == "adamw" else ("momentum",)
-                for key in keys:
-                    value = state.get(key)
-                    if value is None:
-                        value = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    elif isinstance(p, DTensor) and not isinstance(value, DTensor):
-                        value = _distribute_like(value, p)
-                    state[key] = self._placed(value, p)
-                counter = state.get("step")
-                if counted is None or not _is_step_counter(counter):
-                    state["step"] = _step_counter(group["step"], counter)
-            if counted is None:
-                self._counted_steps[index] = group["step"]
-
-    def _advance_step_counters(self) -> None:
-        """Every group's ``step`` and its parameters' counters advance by one.
-
-        A counter that no longer holds what this optimizer last wrote was loaded in place
-        (see :meth:`_init_state`): the loaded count is the group's.
-        """
-        for index, group in enumerate(self.param_groups):
-            counters = [self.state[p]["step"] for p in group["params"]]
-            loaded = int(counters[0].item()) if counters else None
-            if loaded is not None and loaded != self._counted_steps.get(index, loaded):
-                group["step"] = loaded
-            group["step"] += 1
-            self._counted_steps[index] = group["step"]
-            if counters:
-                torch._foreach_zero_(counters)
-                torch._foreach_add_(counters, float(group["step"]))
-
-    def _placed(self, value: Tensor, param: Tensor) -> Tensor:
-        """State where it lives: in (pinned) host memory with offload, else with its param."""
-        local = local_tensor(value)
-        device = local_tensor(param).device
-        if self.offload == "state":
-            pinned = device.type == "cpu" or not torch.cuda.is_available() or local.is_pinned()
-            if local.device.type == "cpu" and local.is_contiguous() and pinned:
-                return value
-            local = host_copy(local, device)
-        elif local.device == device:
-            return value
-        else:
-            local = local.to(device)
-        if isinstance(param, DTensor):
-            return _dtensor_like(local, param)
-        return local
+        """State for every parameter, where it lives (``runtime/state.py``)."""
+        init_state(self.param_groups, self.state, self.offload == "state", self._counted_steps)
 
     def chunks(self) -> list[Chunk]:
         """The list of chunks: Muon batches (exchanged ones first), then AdamW groups.
@@ -570,38 +504,21 @@ class Muon(Optimizer):
         if self._round is None:
             self._begin_round()
             self._round = set()
-        progress = self._pending.pop(key, None)
         ctx = self._context()
-        stager = self._stager()
+        progress = self._pending.pop(key, None) or new_progress(ctx, chunk)
         try:
-            if isinstance(chunk, AdamWChunk):
-                progress = progress or AdamWProgress()
-                staged = None
-                if stager is not None:
-                    stager.load(key, adamw_state_views(ctx, chunk))
-                    staged = stager.acquire(key)
-                step_adamw(ctx, chunk, progress, staged=staged)
-            else:
-                progress = progress or new_run(ctx, chunk)
-                if stager is not None and not progress.prepared:
-                    stager.load(key, momentum_views(ctx, progress))
-                    progress.momenta = stager.acquire(key)
-                step_batch(ctx, progress)
-                stats = self.last_step_stats
-                stats.workspace_peak_bytes = max(
-                    stats.workspace_peak_bytes, sum(vars(batch_bytes(chunk)).values())
-                )
+            step_one_chunk(ctx, chunk, progress, self._stager(), key)
         except BaseException as error:
             if isinstance(progress, BatchRun) and progress.communicated:
                 self._broken = _unreplayable(key, error)
-            elif progress is not None:
+            else:
                 self._pending[key] = progress
             raise
-        finally:
-            if isinstance(progress, BatchRun):
-                progress.momenta = None
-            if stager is not None:
-                stager.store_all()
+        if isinstance(chunk, MuonBatch):
+            stats = self.last_step_stats
+            stats.workspace_peak_bytes = max(
+                stats.workspace_peak_bytes, sum(vars(batch_bytes(chunk)).values())
+            )
         self._round.add(key)
         if len(self._round) == len(chunks):
             self._round = None
@@ -619,7 +536,7 @@ class Muon(Optimizer):
         ):
             self._check_agreement()
             self._plan_verified = True
-        self._advance_step_counters()
+        advance_step_counters(self.param_groups, self.state, self._counted_steps)
         self.last_step_stats = StepStats()
 
     def _check_agreement(self) -> None:
@@ -783,26 +700,11 @@ class Muon(Optimizer):
             hook(self)
 
     def _load_to_host(self, state_dict: dict[str, Any]) -> None:
-        """torch's load, but state values are never moved to the parameters' device.
-
-        torch casts every state tensor to its parameter's device; with offload that would
-        need device memory for the whole state. Here torch loads the groups only, and the
-        state is cast to the parameters' dtype where it is, then placed in host memory.
-        """
+        """torch's load of the groups; the state cast where it is, then placed in host memory."""
         super().load_state_dict({**state_dict, "state": {}})
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        by_id = dict(zip(saved_ids, params))
-        for saved_id, entry in state_dict["state"].items():
-            param = by_id.get(saved_id)
-            if param is None or not isinstance(entry, dict):
-                continue
-            self.state[param] = {
-                key: value.to(dtype=param.dtype)
-                if isinstance(value, Tensor) and key != "step" and param.is_floating_point()
-                else value
-                for key, value in entry.items()
-            }
+        self.state.update(host_state_entries(state_dict["state"], saved_ids, params))
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict (dion's keys); with offload, the host state as it is (no copy
@@ -846,40 +748,6 @@ class Muon(Optimizer):
         self._ensure_plan()
 
 
-def _distribute_like(value: Tensor, param: DTensor) -> DTensor:
-    """A full (e.g. dion single-process) state tensor laid out like ``param``, no communication."""
-    if value.shape != param.shape:
-        raise ValueError(
-            f"optimizer state of shape {tuple(value.shape)} does not fit a parameter of global "
-            f"shape {tuple(param.shape)}"
-        )
-    return distribute_tensor(
-        value.to(local_tensor(param).device),
-        param.device_mesh,
-        param.placements,
-        src_data_rank=None,
-    )
-
-
-def _dtensor_like(local: Tensor, param: DTensor) -> DTensor:
-    """A DTensor laid out like ``param`` around ``local``, wherever ``local`` lives.
-
-    ``DTensor.from_local`` moves a host tensor to the mesh's device; offloaded state must stay
-    in host memory (as FSDP2's CPU offload keeps its parameters), so the DTensor is built
-    from its spec directly when the devices differ.
-    """
-    if local.device.type == param.device_mesh.device_type:
-        return DTensor.from_local(
-            local, param.device_mesh, param.placements, shape=param.shape,
-            stride=param.stride(), run_check=False,
-        )  # fmt: skip
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    meta = TensorMeta(param.shape, param.stride(), local.dtype)
-    spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
-    return DTensor(local, spec, requires_grad=False)
-
-
 def _unreplayable(key: int, error: BaseException) -> str:
     """Why a round whose communicating chunk ``key`` failed midway cannot go on."""
     return (
@@ -895,21 +763,3 @@ def _unreplayable(key: int, error: BaseException) -> str:
 def _communicates(chunk: Chunk) -> bool:
     """Whether stepping ``chunk`` runs a collective (an all-to-all or a replica broadcast)."""
     return isinstance(chunk, MuonBatch) and (chunk.layout.exchanged or chunk.replica is not None)
-
-
-def _is_step_counter(value: object) -> bool:
-    return (
-        isinstance(value, Tensor)
-        and not isinstance(value, DTensor)
-        and value.dtype == torch.float32
-        and value.device.type == "cpu"
-        and value.dim() == 0
-    )
-
-
-def _step_counter(step: int, current: object) -> Tensor:
-    """``current`` if it is a counter (given the value ``step``), else a new one."""
-    if _is_step_counter(current):
-        current.fill_(float(step))
-        return current
-    return torch.tensor(float(step), dtype=torch.float32)

@@ -1,438 +1,41 @@
-"""The step pipeline: each Muon batch through *prepare*, *compute* and *finish*.
+"""The step: chunks in the schedule's order, and the state stager driven from one place.
 
-1. *prepare* — momentum ``M = mu*M + G`` on the local shard; the direction (Nesterov's
-   ``mu*M + G`` or ``M``) is written, rounded to bf16, straight into the batch's buffer:
-   the all-to-all send buffer of an exchanged batch (pieces in owner order, which is the
-   matrices' order: owners within a batch ascend), or the stack of a local batch. The
-   gather starts.
-2. *compute* — the owner reads its whole matrix from the receive buffer (no copy when the
-   rows are sharded), runs Newton–Schulz (per partition block) and sends each rank its
-   piece of the result; local batches run Newton–Schulz on their stack.
-3. *finish* — with ``split_replicas``, the computing replica broadcasts each rank's result
-   shard over the replicate dim; every rank applies decoupled weight decay and
-   ``X -= lr*scale*O`` to its own shard, reading the results where they were received.
-
-:func:`run_step` runs every batch in the order :func:`shardmuon.planning.workspace.schedule`
-gives: several batches in flight (all-to-alls overlap Newton–Schulz), bounded by
-``max_in_flight`` and by the workspace budget in bytes. ``step_chunk`` runs the same
-phases for one chunk; each phase is element-wise or per matrix, so both give the same
-bits. Every phase is resumable (a failed chunk retried does not update anything twice).
+:func:`run_step` runs every batch of the plan in the order
+:func:`shardmuon.planning.workspace.step_schedule` gives: several batches in flight
+(all-to-alls overlap Newton–Schulz), bounded by ``max_in_flight`` and by the workspace
+budget in bytes; AdamW chunks once the first gather is under way. :func:`step_one_chunk`
+runs one chunk for ``Muon.step_chunk``. With offload, both load each chunk's state through
+:class:`_Staging` (load ahead, acquire, use, store), the only code that drives the stager.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Sequence
 
-import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from shardmuon.ops.adamw import adamw_temp_bytes, adamw_update_
-from shardmuon.ops.newton_schulz import newton_schulz
-from shardmuon.ops.partitions import orthogonalize_blocks
-from shardmuon.ops.update import direction, momentum_update_, weight_update_
-from shardmuon.planning.batches import MuonBatch, Segment
+from shardmuon.ops.adamw import adamw_temp_bytes
+from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.placements import local_tensor
-from shardmuon.planning.plan import AdamWChunk, Plan, setting_float
+from shardmuon.planning.plan import AdamWChunk
 from shardmuon.planning.workspace import batch_bytes, step_schedule
-from shardmuon.runtime.exchange import BatchExchange
 from shardmuon.runtime.offload import StateStager
-from shardmuon.runtime.telemetry import StepStats
-
-__all__ = [
-    "AdamWProgress",
-    "BatchRun",
-    "StepContext",
-    "new_run",
-    "orthogonalize_run",
-    "run_step",
-    "step_adamw",
-    "step_batch",
-]
-
-NewtonSchulzFn = Callable[..., Tensor]
-
-
-@dataclass(frozen=True)
-class GroupSettings:
-    """A param group's per-step settings as Python numbers (read once per round)."""
-
-    lr: float
-    weight_decay: float
-    mu: float
-    nesterov: bool
-
-
-@dataclass
-class StepContext:
-    """What the phases read: the plan, the groups, the state, where the telemetry goes."""
-
-    plan: Plan
-    param_groups: list[dict]
-    state: dict
-    stats: StepStats
-    newton_schulz: NewtonSchulzFn
-    coefficients: tuple
-    device: torch.device
-    workspace_bytes: int | None = None
-    settings: list[GroupSettings] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.settings = [
-            GroupSettings(
-                lr=setting_float(g["lr"]),
-                weight_decay=setting_float(g["weight_decay"]),
-                mu=setting_float(g.get("mu", 0.0)),
-                nesterov=bool(g.get("nesterov", False)),
-            )
-            for g in self.param_groups
-        ]
-
-    def group_settings(self, param_index: int) -> GroupSettings:
-        return self.settings[self.plan.group_of[param_index]]
-
-    def matrices(self, index: int, tensor: Tensor) -> Tensor:
-        """The ``[N, rows, cols]`` view of Muon parameter ``index``'s local shard (or state).
-
-        A view when the strides allow, else a copy: for tensors that are only read.
-        """
-        layout = self.plan.layouts[index]
-        shape = (layout.num_matrices, layout.local_rows, layout.local_cols)
-        return local_tensor(tensor).reshape(shape)
-
-    def writable(self, index: int, tensor: Tensor) -> tuple[Tensor, Callable[[], None]]:
-        """``[N, rows, cols]`` matrices of a tensor updated in place, and a commit.
-
-        A view when the strides allow (the commit does nothing); otherwise (a channels_last
-        conv weight with ``flatten``, a permuted stack) a contiguous copy that the commit
-        writes back, so every parameter and momentum is really updated.
-        """
-        local = local_tensor(tensor)
-        layout = self.plan.layouts[index]
-        shape = (layout.num_matrices, layout.local_rows, layout.local_cols)
-        try:
-            return local.view(shape), _nothing
-        except RuntimeError:
-            matrices = local.reshape(shape)
-            return matrices, lambda: local.copy_(matrices.view(local.shape))
-
-    def orthogonalize(self, U: Tensor, batch: MuonBatch) -> Tensor:
-        """Newton–Schulz on a bf16 ``[N, rows, cols]`` stack, per partition block.
-
-        ``U`` is overwritten (the pipeline's own buffer; the folded iteration uses it).
-        """
-        stats = self.stats
-        stats.matrices_orthogonalized += U.size(0)
-        if U.numel():
-            stats.nonfinite_counts.append((~torch.isfinite(U)).flatten(1).any(1).sum())
-        stats.owned_shapes.extend([(U.size(1), U.size(2))] * U.size(0))
-
-        def ns(X: Tensor) -> Tensor:
-            stats.ns_calls.append((X.size(0), X.size(1), X.size(2)))
-            if self.newton_schulz is newton_schulz:
-                # The pipeline owns every buffer it orthogonalizes: normalise in place.
-                return newton_schulz(X, self.coefficients, batch.eps, overwrite_input=True)
-            return self.newton_schulz(X, self.coefficients, batch.eps)
-
-        return orthogonalize_blocks(U, batch.partitions, ns)
-
-
-def _nothing() -> None:
-    return None
-
-
-@dataclass
-class BatchRun:
-    """One batch between phases on this rank, with what is done (to resume a failed chunk)."""
-
-    batch: MuonBatch
-    segments: list[Segment]
-    receives_from_replica: bool
-    buffer: Tensor | None = None  # bf16 directions: the send buffer or the local stack
-    momenta: list[Tensor] | None = None  # per segment, staged on the device (offload)
-    exchange: BatchExchange | None = None
-    results: Tensor | None = None  # bf16 [n, local_rows, local_cols] for this rank
-    results_ready: bool = False  # received (and shared across replicas)
-    momentum_done: int = 0
-    communicated: bool = False  # a collective of this batch was issued (no replay)
-    prepared: bool = False
-    computed: bool = False
-    finished: int = 0
-
-    @property
-    def count(self) -> int:
-        return sum(s.count for s in self.segments)
-
-
-@dataclass
-class AdamWProgress:
-    """How many parameters of an AdamW chunk were updated (to resume a failed chunk)."""
-
-    done: int = 0
-
-
-def new_run(ctx: StepContext, batch: MuonBatch) -> BatchRun:
-    """A batch about to be prepared: the segments that have grads on this rank."""
-    params = ctx.plan.params
-    segments = [s for s in batch.segments if params[s.param_index].grad is not None]
-    replicas = batch.layout.replicas
-    from_replica = batch.replica is not None and batch.replica != replicas.mesh_index
-    return BatchRun(batch, segments, receives_from_replica=from_replica)
-
-
-def _active_owners(batch: MuonBatch, segments: list[Segment]) -> tuple[int, ...]:
-    active = {(s.param_index, i) for s in segments for i in range(s.start, s.stop)}
-    units = [(s.param_index, i) for s in batch.segments for i in range(s.start, s.stop)]
-    return tuple(o for u, o in zip(units, batch.owners) if u in active)
-
-
-def _segment_momentum(ctx: StepContext, run: BatchRun, k: int) -> tuple[Tensor, Callable[[], None]]:
-    """Segment ``k``'s momentum ``[count, rows, cols]`` (its staged copy under offload)."""
-    if run.momenta is not None:
-        return run.momenta[k], _nothing
-    seg = run.segments[k]
-    p = ctx.plan.params[seg.param_index]
-    momentum, commit = ctx.writable(seg.param_index, ctx.state[p]["momentum"])
-    return momentum[seg.start : seg.stop], commit
-
-
-def momentum_views(ctx: StepContext, run: BatchRun) -> list[Tensor]:
-    """Views of the (host) momentum of each segment of ``run``, for staging."""
-    return [
-        ctx.matrices(s.param_index, ctx.state[ctx.plan.params[s.param_index]]["momentum"])[
-            s.start : s.stop
-        ]
-        for s in run.segments
-    ]
-
-
-def _update_momentum(ctx: StepContext, run: BatchRun) -> None:
-    plan = ctx.plan
-    for k in range(run.momentum_done, len(run.segments)):
-        seg = run.segments[k]
-        momentum, commit = _segment_momentum(ctx, run, k)
-        grad = ctx.matrices(seg.param_index, plan.params[seg.param_index].grad)
-        momentum_update_(
-            momentum, grad[seg.start : seg.stop], ctx.group_settings(seg.param_index).mu, False
-        )
-        commit()
-        run.momentum_done += 1
-
-
-def update_all_momenta(ctx: StepContext, runs: list[BatchRun]) -> None:
-    """``M = mu*M + G`` for every run whose momenta are fp32 views, with one ``_foreach``
-    pair per ``mu`` (the same element-wise ops, so the same bits, in two calls instead of
-    two per segment: on a GPU, two multi-tensor kernels). Other runs update theirs in
-    *prepare*."""
-    by_mu: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
-    ready: list[BatchRun] = []
-    for run in runs:
-        if run.momentum_done:
-            continue
-        pairs = []
-        for seg in run.segments:
-            p = ctx.plan.params[seg.param_index]
-            momentum, commit = ctx.writable(seg.param_index, ctx.state[p]["momentum"])
-            # fp32 only: on bf16, _foreach_mul_ rounds differently from mul_ (tested).
-            if commit is not _nothing or momentum.dtype != torch.float32:
-                break
-            grad = ctx.matrices(seg.param_index, p.grad)[seg.start : seg.stop]
-            pairs.append(
-                (ctx.group_settings(seg.param_index).mu, momentum[seg.start : seg.stop], grad)
-            )
-        else:
-            for mu, momentum, grad in pairs:
-                moms, grads = by_mu.setdefault(mu, ([], []))
-                moms.append(momentum)
-                grads.append(grad)  # a bf16 grad is added exactly, with no fp32 copy
-            ready.append(run)
-    for mu, (moms, grads) in by_mu.items():
-        torch._foreach_mul_(moms, mu)
-        torch._foreach_add_(moms, grads)
-    for run in ready:
-        run.momentum_done = len(run.segments)
-
-
-def write_directions(ctx: StepContext, run: BatchRun, out: Tensor) -> None:
-    """Each segment's direction, rounded to bf16, into consecutive matrices of ``out``."""
-    plan = ctx.plan
-    offset = 0
-    for k, seg in enumerate(run.segments):
-        p = plan.params[seg.param_index]
-        settings = ctx.group_settings(seg.param_index)
-        momentum = _segment_momentum(ctx, run, k)[0]
-        target = out[offset : offset + seg.count]
-        if settings.nesterov:
-            grad = ctx.matrices(seg.param_index, p.grad)[seg.start : seg.stop]
-            target.copy_(direction(momentum, grad, settings.mu, True))
-        else:
-            target.copy_(momentum)
-        offset += seg.count
-
-
-def _buffer_shape(run: BatchRun) -> tuple[int, int, int]:
-    layout = run.batch.layout
-    return (run.count, layout.local_rows, layout.local_cols)
-
-
-def prepare(ctx: StepContext, run: BatchRun) -> None:
-    """Phase 1: momentum, the bf16 directions in the batch's buffer; the gather starts."""
-    _update_momentum(ctx, run)
-    ctx.stats.num_batches += 1
-    if not run.receives_from_replica and run.segments:
-        buffer = torch.empty(_buffer_shape(run), dtype=torch.bfloat16, device=ctx.device)
-        write_directions(ctx, run, buffer)
-        run.buffer = buffer
-        start_gather(ctx, run)
-    run.prepared = True
-
-
-def start_gather(ctx: StepContext, run: BatchRun) -> None:
-    """Start the all-to-all of an exchanged batch whose ``buffer`` holds its directions."""
-    if not run.batch.layout.exchanged:
-        return
-    owners = _active_owners(run.batch, run.segments)
-    run.exchange = BatchExchange(run.batch.layout, owners, ctx.stats)
-    ctx.stats.bytes_minimum += run.exchange.minimum_bytes()
-    run.communicated = True
-    run.exchange.start_gather(run.buffer)
-
-
-def compute(ctx: StepContext, run: BatchRun) -> None:
-    """Phase 2: Newton–Schulz (the owner's matrix, or the local stack); the return starts."""
-    if run.exchange is not None:
-        whole = run.exchange.assemble()
-        run.buffer = None  # the send buffer is no longer needed
-        result = None if whole is None else ctx.orthogonalize(whole[None], run.batch)[0]
-        del whole
-        run.exchange.start_return(result)
-    elif run.buffer is not None:
-        run.results = ctx.orthogonalize(run.buffer, run.batch)
-        run.buffer = None
-    run.computed = True
-
-
-def _results(ctx: StepContext, run: BatchRun) -> Tensor | None:
-    """This rank's bf16 results ``[n, local_rows, local_cols]``, where they were received."""
-    if run.exchange is not None:
-        results = run.exchange.finish_return().view(_buffer_shape(run))
-        run.exchange = None
-    else:
-        results = run.results
-    if run.batch.replica is not None and run.segments:
-        results = share_with_replicas(ctx, run, results)
-    return results
-
-
-def finish(ctx: StepContext, run: BatchRun) -> None:
-    """Phase 3: decay and update of this rank's shard, reading the results in place.
-
-    Resumable: the results are fetched once and segments already updated are skipped.
-    """
-    plan = ctx.plan
-    if not run.results_ready:
-        run.results = _results(ctx, run)
-        run.results_ready = True
-    offset = sum(seg.count for seg in run.segments[: run.finished])
-    for seg in run.segments[run.finished :]:
-        p = plan.params[seg.param_index]
-        settings = ctx.group_settings(seg.param_index)
-        matrices, commit = ctx.writable(seg.param_index, p)
-        weight_update_(
-            matrices[seg.start : seg.stop],
-            run.results[offset : offset + seg.count],
-            settings.lr,
-            settings.weight_decay,
-            plan.row_scales[seg.param_index],
-        )
-        commit()
-        offset += seg.count
-        run.finished += 1
-    run.results = None
-
-
-def share_with_replicas(ctx: StepContext, run: BatchRun, results: Tensor | None) -> Tensor:
-    """Broadcast this rank's bf16 results ``[N, r, c]`` from the computing replica."""
-    replicas = run.batch.layout.replicas
-    if run.receives_from_replica:
-        buffer = torch.empty(_buffer_shape(run), dtype=torch.bfloat16, device=ctx.device)
-    else:
-        buffer = results.contiguous()
-    if buffer.numel() == 0:  # an empty shard: every replica knows, nothing to send
-        return buffer
-    run.communicated = True
-    src = replicas.global_rank_at(run.batch.replica)
-    dist.broadcast(buffer, src=src, group=replicas.process_group)
-    nbytes = buffer.numel() * buffer.element_size()
-    if run.receives_from_replica:
-        ctx.stats.replica_bytes_received += nbytes
-    else:
-        ctx.stats.replica_bytes_sent += nbytes * (replicas.size - 1)
-    return buffer
-
-
-def orthogonalize_run(ctx: StepContext, run: BatchRun) -> Tensor:
-    """Exchange and orthogonalize the directions already in ``run.buffer``; no momentum, no
-    update. Returns this rank's bf16 results ``[n, local_rows, local_cols]``."""
-    start_gather(ctx, run)
-    compute(ctx, run)
-    return _results(ctx, run)
-
-
-def step_batch(ctx: StepContext, run: BatchRun) -> None:
-    """All three phases of one batch, resuming after the last phase that completed."""
-    if not run.prepared:
-        prepare(ctx, run)
-    if not run.computed:
-        compute(ctx, run)
-    finish(ctx, run)
-
-
-def adamw_params(ctx: StepContext, chunk: AdamWChunk) -> list[Tensor]:
-    """The parameters of an AdamW chunk that have grads (the ones it steps)."""
-    return [p for p in ctx.param_groups[chunk.group_index]["params"] if p.grad is not None]
-
-
-def adamw_state_views(ctx: StepContext, chunk: AdamWChunk) -> list[Tensor]:
-    """The (host) local momenta, then variances, of the chunk's parameters with grads."""
-    params = adamw_params(ctx, chunk)
-    return [local_tensor(ctx.state[p][key]) for key in ("momentum", "variance") for p in params]
-
-
-def step_adamw(
-    ctx: StepContext,
-    chunk: AdamWChunk,
-    progress: AdamWProgress | None = None,
-    staged: list[Tensor] | None = None,
-) -> None:
-    """AdamW on one group; ``progress`` counts the parameters done (for a resumed chunk);
-    ``staged``: the state as :func:`adamw_state_views` lists it, on the device (offload)."""
-    group = ctx.param_groups[chunk.group_index]
-    params = adamw_params(ctx, chunk)
-    state = staged if staged is not None else adamw_state_views(ctx, chunk)
-    momenta, variances = state[: len(params)], state[len(params) :]
-    start = progress.done if progress is not None else 0
-    params, momenta, variances = params[start:], momenta[start:], variances[start:]
-
-    def done(_: int) -> None:
-        if progress is not None:
-            progress.done += 1
-
-    adamw_update_(
-        [local_tensor(p) for p in params],
-        [local_tensor(p.grad) for p in params],
-        momenta,
-        variances,
-        lr=setting_float(group["lr"]),
-        beta1=setting_float(group["beta1"]),
-        beta2=setting_float(group["beta2"]),
-        weight_decay=setting_float(group["weight_decay"]),
-        epsilon=setting_float(group["epsilon"]),
-        step=int(group["step"]),
-        max_temp_bytes=ctx.workspace_bytes,
-        on_param_done=done,
-    )
+from shardmuon.runtime.phases import (
+    AdamWProgress,
+    BatchRun,
+    StepContext,
+    adamw_state_views,
+    compute,
+    finish,
+    momentum_views,
+    new_run,
+    prepare,
+    step_adamw,
+    step_batch,
+    update_all_momenta,
+)
+
+__all__ = ["new_progress", "run_step", "step_one_chunk"]
 
 
 def run_step(
@@ -450,7 +53,10 @@ def run_step(
     if stager is None:
         update_all_momenta(ctx, list(runs.values()))
     ops = _with_adamw(step_schedule(plan.batches, budget, max_in_flight), len(plan.adamw))
-    staging = _Staging(ctx, stager, runs, ops) if stager is not None else None
+    staging = None
+    if stager is not None:
+        uses = [op for op in ops if op[0] in ("prepare", "adamw")]
+        staging = _Staging(stager, uses, lambda use: _state_views(ctx, runs, use))
     held = peak = 0
     try:
         for phase, i in ops:
@@ -488,31 +94,74 @@ def _with_adamw(ops: list[tuple[str, int]], num_adamw: int) -> list[tuple[str, i
     return [*ops[:first], *(("adamw", k) for k in range(num_adamw)), *ops[first:]]
 
 
+def _state_views(ctx: StepContext, runs: dict[int, BatchRun], use: tuple[str, int]):
+    """The host state a use of the step reads: an AdamW chunk's or a batch's momenta."""
+    phase, i = use
+    if phase == "adamw":
+        return adamw_state_views(ctx, ctx.plan.adamw[i])
+    return momentum_views(ctx, runs[i])
+
+
 class _Staging:
-    """The state uses of a step in order (prepares and AdamW chunks), loaded ahead."""
+    """The state uses of a step (or of one chunk) in order, each loaded ``prefetch`` ahead:
+    load -> acquire (the device copy) -> use -> store."""
 
-    def __init__(self, ctx: StepContext, stager: StateStager, runs: dict, ops: list) -> None:
-        self.ctx, self.stager, self.runs = ctx, stager, runs
-        self.uses = [op for op in ops if op[0] in ("prepare", "adamw")]
+    def __init__(
+        self,
+        stager: StateStager,
+        uses: Sequence[Hashable],
+        views: Callable[[Hashable], list[Tensor]],
+    ) -> None:
+        self.stager, self.uses, self.views = stager, list(uses), views
         self.position = self.issued = 0
-
-    def _views(self, use: tuple[str, int]) -> list[Tensor]:
-        phase, i = use
-        if phase == "adamw":
-            return adamw_state_views(self.ctx, self.ctx.plan.adamw[i])
-        return momentum_views(self.ctx, self.runs[i])
 
     def take(self) -> list[Tensor]:
         """Load up to ``prefetch`` uses ahead; the device state of the current one."""
         while self.issued < min(len(self.uses), self.position + self.stager.prefetch):
             use = self.uses[self.issued]
-            self.stager.load(use, self._views(use))
+            self.stager.load(use, self.views(use))
             self.issued += 1
         return self.stager.acquire(self.uses[self.position])
 
     def release(self) -> None:
         self.stager.store(self.uses[self.position])
         self.position += 1
+
+
+def new_progress(ctx: StepContext, chunk: MuonBatch | AdamWChunk) -> BatchRun | AdamWProgress:
+    """A chunk's progress through its step, from the start (see :func:`step_one_chunk`)."""
+    return AdamWProgress() if isinstance(chunk, AdamWChunk) else new_run(ctx, chunk)
+
+
+def step_one_chunk(
+    ctx: StepContext,
+    chunk: MuonBatch | AdamWChunk,
+    progress: BatchRun | AdamWProgress,
+    stager: StateStager | None,
+    key: Hashable,
+) -> None:
+    """Step one chunk (``Muon.step_chunk``) from where ``progress`` stands; ``progress``
+    records how far it got, so that a chunk that raised can be resumed. The state is staged
+    as in a step, under ``key``, and stored whatever happens."""
+    staging = None
+    if stager is not None and not getattr(progress, "prepared", False):
+        if isinstance(chunk, AdamWChunk):
+            views = adamw_state_views(ctx, chunk)
+        else:
+            views = momentum_views(ctx, progress)
+        staging = _Staging(stager, [key], lambda _: views)
+    try:
+        if isinstance(chunk, AdamWChunk):
+            step_adamw(ctx, chunk, progress, staged=staging.take() if staging else None)
+        else:
+            if staging:
+                progress.momenta = staging.take()
+            step_batch(ctx, progress)
+    finally:
+        if isinstance(progress, BatchRun):
+            progress.momenta = None
+        if stager is not None:
+            stager.store_all()
 
 
 def _adamw_peak(ctx: StepContext) -> int:

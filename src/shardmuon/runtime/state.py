@@ -1,0 +1,170 @@
+"""Where the optimizer state lives, and its step counters.
+
+Every parameter gets its state at construction (DCP needs the same keys on every rank):
+dion's keys (``momentum``; ``momentum`` and ``variance`` under AdamW) laid out like the
+parameter, in (pinned) host memory with ``offload="state"``, and a ``step`` counter — a 0-d
+float32 CPU tensor, ``torch.optim``'s convention — that mirrors its group's ``step``. dion
+keeps the count in the param group only, which a loader that writes checkpoint tensors in
+place into ``state_dict()`` without ``load_state_dict`` (prime-rl's, through DCP) never
+restores; through the counters, the count comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from shardmuon.planning.placements import local_tensor
+from shardmuon.runtime.offload import host_copy
+
+__all__ = [
+    "STATE_KEYS",
+    "advance_step_counters",
+    "host_state_entries",
+    "init_state",
+    "placed",
+]
+
+# The state a parameter has under each algorithm (dion's keys).
+STATE_KEYS = {"muon": ("momentum",), "adamw": ("momentum", "variance")}
+
+
+def init_state(
+    param_groups: list[dict], state: dict, offloaded: bool, counted: dict[int, int]
+) -> None:
+    """Create or re-place every parameter's state (see the module docstring).
+
+    ``counted[g]``: the count group ``g``'s counters were last given; a group without one
+    has its counters (re)written from its ``step`` and recorded.
+    """
+    for index, group in enumerate(param_groups):
+        last = counted.get(index)
+        for p in group["params"]:
+            entry = state[p]
+            for key in STATE_KEYS[group["algorithm"]]:
+                value = entry.get(key)
+                if value is None:
+                    value = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif isinstance(p, DTensor) and not isinstance(value, DTensor):
+                    value = _distribute_like(value, p)
+                entry[key] = placed(value, p, offloaded)
+            counter = entry.get("step")
+            if last is None or not _is_step_counter(counter):
+                entry["step"] = _step_counter(group["step"], counter)
+        if last is None:
+            counted[index] = group["step"]
+
+
+def advance_step_counters(param_groups: list[dict], state: dict, counted: dict[int, int]) -> None:
+    """Every group's ``step`` and its parameters' counters advance by one.
+
+    A counter that no longer holds what was last written was loaded in place: the loaded
+    count becomes the group's. Otherwise the group's ``step`` rules (perhaps set by hand)
+    and the counters follow.
+    """
+    for index, group in enumerate(param_groups):
+        counters = [state[p]["step"] for p in group["params"]]
+        loaded = int(counters[0].item()) if counters else None
+        if loaded is not None and loaded != counted.get(index, loaded):
+            group["step"] = loaded
+        group["step"] += 1
+        counted[index] = group["step"]
+        if counters:
+            torch._foreach_zero_(counters)
+            torch._foreach_add_(counters, float(group["step"]))
+
+
+def placed(value: Tensor, param: Tensor, offloaded: bool) -> Tensor:
+    """State where it lives: in (pinned) contiguous host memory with offload, else with its
+    parameter; laid out like the parameter."""
+    local = local_tensor(value)
+    device = local_tensor(param).device
+    if offloaded:
+        pinned = device.type == "cpu" or not torch.cuda.is_available() or local.is_pinned()
+        if local.device.type == "cpu" and local.is_contiguous() and pinned:
+            return value
+        local = host_copy(local, device)
+    elif local.device == device:
+        return value
+    else:
+        local = local.to(device)
+    if isinstance(param, DTensor):
+        return _dtensor_like(local, param)
+    return local
+
+
+def host_state_entries(
+    saved_state: dict, saved_ids: Iterable[int], params: Iterable[Tensor]
+) -> dict[Tensor, dict[str, Any]]:
+    """Saved state entries by parameter, cast to each parameter's dtype where they are
+    (never moved to the parameters' device, as torch's load would: with offload that would
+    need device memory for the whole state)."""
+    by_id = dict(zip(saved_ids, params))
+    entries = {}
+    for saved_id, entry in saved_state.items():
+        param = by_id.get(saved_id)
+        if param is None or not isinstance(entry, dict):
+            continue
+        entries[param] = {
+            key: value.to(dtype=param.dtype)
+            if isinstance(value, Tensor) and key != "step" and param.is_floating_point()
+            else value
+            for key, value in entry.items()
+        }
+    return entries
+
+
+def _distribute_like(value: Tensor, param: DTensor) -> DTensor:
+    """A full (e.g. dion single-process) state tensor laid out like ``param``, no communication."""
+    if value.shape != param.shape:
+        raise ValueError(
+            f"optimizer state of shape {tuple(value.shape)} does not fit a parameter of global "
+            f"shape {tuple(param.shape)}"
+        )
+    return distribute_tensor(
+        value.to(local_tensor(param).device),
+        param.device_mesh,
+        param.placements,
+        src_data_rank=None,
+    )
+
+
+def _dtensor_like(local: Tensor, param: DTensor) -> DTensor:
+    """A DTensor laid out like ``param`` around ``local``, wherever ``local`` lives.
+
+    ``DTensor.from_local`` moves a host tensor to the mesh's device; offloaded state must stay
+    in host memory (as FSDP2's CPU offload keeps its parameters), so the DTensor is built
+    from its spec directly when the devices differ.
+    """
+    if local.device.type == param.device_mesh.device_type:
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, shape=param.shape,
+            stride=param.stride(), run_check=False,
+        )  # fmt: skip
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(param.shape, param.stride(), local.dtype)
+    spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _is_step_counter(value: object) -> bool:
+    return (
+        isinstance(value, Tensor)
+        and not isinstance(value, DTensor)
+        and value.dtype == torch.float32
+        and value.device.type == "cpu"
+        and value.dim() == 0
+    )
+
+
+def _step_counter(step: int, current: object) -> Tensor:
+    """``current`` if it is a counter (given the value ``step``), else a new one."""
+    if _is_step_counter(current):
+        current.fill_(float(step))
+        return current
+    return torch.tensor(float(step), dtype=torch.float32)
