@@ -26,15 +26,14 @@ from shardmuon.ops.newton_schulz import (
     newton_schulz_unfolded,
     resolve_coefficients,
 )
-from shardmuon.planning.batches import MuonBatch, Segment, batch_key
-from shardmuon.planning.placements import ShardGroup, local_tensor
+from shardmuon.planning.batches import MuonBatch
+from shardmuon.planning.chunks import Chunk, batch_for_directions, chunk_info, communicates
+from shardmuon.planning.placements import local_tensor
 from shardmuon.planning.plan import (
-    AdamWChunk,
     ChunkInfo,
     Plan,
     build_plan,
     plan_settings,
-    setting_float,
 )
 from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES, batch_bytes, step_schedule
 from shardmuon.runtime.agreement import AgreementSettings, agreement_groups, check_agreement
@@ -67,7 +66,6 @@ NS_IMPLEMENTATIONS = {
 CHECK_GRADS = ("first", "always", "never")
 
 
-Chunk = MuonBatch | AdamWChunk
 
 
 class Muon(Optimizer):
@@ -364,36 +362,7 @@ class Muon(Optimizer):
     def chunk_info(self, chunk: Chunk) -> ChunkInfo:
         """What ``chunk`` (one of :meth:`chunks`) holds: parameters, matrices, state bytes."""
         self._ensure_plan()
-        plan = self._plan
-        if isinstance(chunk, AdamWChunk):
-            params = tuple(self.param_groups[chunk.group_index]["params"])
-            nbytes = sum(
-                local_tensor(self.state[p][key]).nbytes
-                for p in params
-                for key in ("momentum", "variance")
-            )
-            return ChunkInfo("adamw", params, (), None, nbytes, False)
-        if not isinstance(chunk, MuonBatch) or all(chunk is not b for b in plan.batches):
-            raise ValueError("chunk_info got a chunk that is not in this optimizer's chunks()")
-        layout = chunk.layout
-        params = tuple(dict.fromkeys(plan.params[s.param_index] for s in chunk.segments))
-        per_matrix = layout.local_rows * layout.local_cols
-        nbytes = sum(
-            s.count * per_matrix * self.state[plan.params[s.param_index]]["momentum"].itemsize
-            for s in chunk.segments
-        )
-        shapes = ((layout.rows, layout.cols),) * chunk.num_matrices
-        local = (layout.local_rows, layout.local_cols)
-        return ChunkInfo("muon", params, shapes, local, nbytes, _communicates(chunk))
-
-    def shard_groups(self) -> list[ShardGroup]:
-        """Distinct process groups the Muon all-to-alls use, in first-use order."""
-        self._ensure_plan()
-        seen: dict[tuple[int, ...], ShardGroup] = {}
-        for layout in self._plan.layouts:
-            if layout.group is not None:
-                seen.setdefault(layout.group.ranks, layout.group)
-        return list(seen.values())
+        return chunk_info(self._plan, self.param_groups, self.state, chunk)
 
     def warmup(self) -> None:
         """Run a tiny all-to-all on every group Muon uses: shard and replicate dims."""
@@ -490,9 +459,9 @@ class Muon(Optimizer):
                 f"chunk {key} was already stepped in this round; step the other "
                 f"{len(chunks) - len(self._round)} chunks first"
             )
-        if _communicates(chunk):
+        if communicates(chunk):
             done = self._round or set()
-            earlier = [i for i, c in enumerate(chunks[:key]) if _communicates(c) and i not in done]
+            earlier = [i for i, c in enumerate(chunks[:key]) if communicates(c) and i not in done]
             if earlier:
                 raise RuntimeError(
                     f"step_chunk: chunk {key} exchanges data with other ranks, and so does "
@@ -576,54 +545,10 @@ class Muon(Optimizer):
         in ascending rank order. Collective over the shard group.
         """
         self._ensure_plan()
-        if len(params) != len(U) or not params:
-            raise ValueError(
-                f"orthogonalize_chunk needs one direction per parameter, got {len(params)} "
-                f"parameters and {len(U)} directions"
-            )
-        index_of = {id(p): i for i, p in enumerate(self._plan.params)}
-        indices = []
-        for p in params:
-            if id(p) not in index_of:
-                raise ValueError(
-                    f"orthogonalize_chunk: a parameter of shape {tuple(p.shape)} is not a Muon "
-                    "parameter of this optimizer"
-                )
-            indices.append(index_of[id(p)])
-        for k, (p, u) in enumerate(zip(params, U)):
-            want, got = tuple(local_tensor(p).shape), tuple(local_tensor(u).shape)
-            if not isinstance(u, Tensor) or got != want:
-                raise ValueError(
-                    f"orthogonalize_chunk: U[{k}] has local shape {got}; it must be shaped "
-                    f"like its parameter's local shard, {want} (global shape "
-                    f"{tuple(p.shape)})"
-                )
-        layouts = {self._batch_signature(i) for i in indices}
-        if len(layouts) != 1:
-            raise ValueError(
-                "orthogonalize_chunk needs parameters of one layout (global shape, placements, "
-                "dtype, partitions)"
-            )
-        layout = self._plan.layouts[indices[0]]
-        segments = [Segment(i, 0, self._plan.layouts[i].num_matrices) for i in indices]
-        count = sum(s.count for s in segments)
-        owners: tuple[int, ...] = ()
-        if layout.exchanged:
-            k = layout.group.size
-            if count > k:
-                raise ValueError(
-                    f"orthogonalize_chunk got {count} matrices for a shard group of {k} ranks; "
-                    f"pass at most {k}"
-                )
-            owners = tuple(sorted((first_owner + j) % k for j in range(count)))
-        batch = MuonBatch(
-            -1,
-            layout=layout,
-            segments=segments,
-            owners=owners,
-            partitions=self._plan.partitions[indices[0]],
-            eps=setting_float(self.param_groups[self._plan.group_of[indices[0]]]["epsilon"]),
+        batch, indices = batch_for_directions(
+            self._plan, self.param_groups, params, U, first_owner
         )
+        segments = batch.segments
         ctx = self._context()
         run = BatchRun(batch, segments, receives_from_replica=False)
         run.buffer = torch.cat([ctx.matrices(i, u.to(torch.bfloat16)) for i, u in zip(indices, U)])
@@ -633,11 +558,6 @@ class Muon(Optimizer):
             out.append(results[offset : offset + seg.count].reshape(local_tensor(u).shape))
             offset += seg.count
         return out
-
-    def _batch_signature(self, index: int) -> tuple:
-        plan = self._plan
-        eps = setting_float(self.param_groups[plan.group_of[index]]["epsilon"])
-        return batch_key(plan.layouts[index], plan.params[index].dtype, plan.partitions[index], eps)
 
     # ----------------------------------------------------------- checkpoints
 
@@ -758,8 +678,3 @@ def _unreplayable(key: int, error: BaseException) -> str:
         "that failed before any collective (local and AdamW chunks, and checks before an "
         "exchange) can be retried"
     )
-
-
-def _communicates(chunk: Chunk) -> bool:
-    """Whether stepping ``chunk`` runs a collective (an all-to-all or a replica broadcast)."""
-    return isinstance(chunk, MuonBatch) and (chunk.layout.exchanged or chunk.replica is not None)

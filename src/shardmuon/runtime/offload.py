@@ -68,13 +68,6 @@ class StateStager:
             self._load_stream = torch.cuda.Stream(device)
             self._store_stream = torch.cuda.Stream(device)
 
-    def resident(self) -> int:
-        """Chunks whose state is on the device now."""
-        return len(self._resident)
-
-    def is_loaded(self, key: Hashable) -> bool:
-        return key in self._resident
-
     def load(self, key: Hashable, host: Sequence[Tensor]) -> None:
         """Start copying ``host`` views into new device buffers (async on CUDA)."""
         if key in self._resident:
