@@ -10,7 +10,6 @@ and rounds of ``step_chunk``. A step's work, batch by batch and phase by phase, 
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -20,10 +19,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from shardmuon.ops.newton_schulz import (
-    newton_schulz,
-    newton_schulz_compiled,
-    newton_schulz_per_matrix,
-    newton_schulz_unfolded,
+    NS_IMPLEMENTATIONS,
     resolve_coefficients,
 )
 from shardmuon.planning.batches import MuonBatch
@@ -36,7 +32,7 @@ from shardmuon.planning.plan import (
     plan_settings,
 )
 from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES, batch_bytes, step_schedule
-from shardmuon.runtime.agreement import AgreementSettings, agreement_groups, check_agreement
+from shardmuon.runtime.agreement import agreement_groups, check_agreement
 from shardmuon.runtime.exchange import warmup_groups
 from shardmuon.runtime.offload import OFFLOAD_CHOICES, StateStager
 from shardmuon.runtime.phases import BatchRun, StepContext, orthogonalize_run
@@ -45,7 +41,9 @@ from shardmuon.runtime.state import advance_step_counters, host_state_entries, i
 from shardmuon.runtime.telemetry import StepStats
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.validation import (
+    AGREED_SETTINGS,
     MOMENTUM_ALIAS,
+    OPTIMIZER_SETTINGS,
     apply_momentum_alias,
     check_adjust_lr,
     check_grads,
@@ -53,20 +51,10 @@ from shardmuon.validation import (
     check_group_settings,
     check_mesh,
     check_number,
+    check_optimizer_settings,
 )
 
 __all__ = ["Muon"]
-
-NS_IMPLEMENTATIONS = {
-    "folded": newton_schulz,
-    "unfolded": newton_schulz_unfolded,
-    "compiled": newton_schulz_compiled,
-    "per-matrix": newton_schulz_per_matrix,
-}
-CHECK_GRADS = ("first", "always", "never")
-
-
-
 
 class Muon(Optimizer):
     """Muon with dion's param groups, state and checkpoints; distribution read from DTensors.
@@ -234,44 +222,12 @@ class Muon(Optimizer):
         self._counted_steps: dict[int, int] = {}
         self.last_step_stats = StepStats()
 
+    def _settings(self, names: Sequence[str] = OPTIMIZER_SETTINGS) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in names}
+
     def _check_options(self) -> None:
         """The optimizer-wide settings (public attributes, so checked again before each step)."""
-        rms = self.update_rms
-        if isinstance(rms, bool) or not isinstance(rms, (int, float)):
-            raise TypeError(f"update_rms must be a number, got {rms!r}")
-        if not (rms > 0 and math.isfinite(rms)):
-            raise ValueError(f"update_rms must be a finite number > 0, got {rms!r}")
-        flight = self.max_in_flight
-        if isinstance(flight, bool) or not isinstance(flight, int):
-            raise TypeError(f"max_in_flight must be an int >= 1, got {flight!r}")
-        if flight < 1:
-            raise ValueError(f"max_in_flight must be an int >= 1, got {flight!r}")
-        budget = self.workspace_bytes
-        if isinstance(budget, bool) or not isinstance(budget, int):
-            raise TypeError(f"workspace_bytes must be an int > 0 (bytes), got {budget!r}")
-        if budget <= 0:
-            raise ValueError(f"workspace_bytes must be an int > 0 (bytes), got {budget!r}")
-        if self.offload not in OFFLOAD_CHOICES:
-            raise ValueError(
-                f"unknown offload {self.offload!r}; accepted: "
-                f"{', '.join(map(repr, OFFLOAD_CHOICES))}"
-            )
-        prefetch = self.offload_prefetch
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError(f"offload_prefetch must be an int >= 1, got {prefetch!r}")
-        if self.newton_schulz_impl not in NS_IMPLEMENTATIONS:
-            raise ValueError(
-                f"unknown newton_schulz_impl {self.newton_schulz_impl!r}; accepted: "
-                f"{', '.join(map(repr, NS_IMPLEMENTATIONS))}"
-            )
-        if self.check_grads not in CHECK_GRADS:
-            raise ValueError(
-                f"unknown check_grads {self.check_grads!r}; accepted: "
-                f"{', '.join(map(repr, CHECK_GRADS))}"
-            )
-        for name in ("rotate_owners", "split_replicas"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_optimizer_settings(self._settings(), tuple(NS_IMPLEMENTATIONS), OFFLOAD_CHOICES)
 
     # ----------------------------------------------------------------- planning
 
@@ -511,16 +467,8 @@ class Muon(Optimizer):
     def _check_agreement(self) -> None:
         """Every group's ranks agree on batches, settings and grads (see ``agreement.py``)."""
         plan = self._plan
-        settings = AgreementSettings(
-            update_rms=self.update_rms,
-            coefficients=tuple(map(tuple, self.coefficients)),
-            newton_schulz_impl=self.newton_schulz_impl,
-            max_in_flight=self.max_in_flight,
-            workspace_bytes=self.workspace_bytes,
-            split_replicas=self.split_replicas,
-            rotate_owners=self.rotate_owners,
-            check_grads=self.check_grads,
-        )
+        settings = self._settings(AGREED_SETTINGS)
+        settings["coefficients"] = tuple(map(tuple, self.coefficients))
         check_agreement(
             agreement_groups(plan.batches),
             plan.batches,
@@ -639,16 +587,7 @@ class Muon(Optimizer):
         """torch keeps defaults, state and groups; the optimizer-wide settings come too."""
         state = super().__getstate__()
         state["_shardmuon_settings"] = {
-            "update_rms": self.update_rms,
-            "coefficients": self.coefficients,
-            "max_in_flight": self.max_in_flight,
-            "workspace_bytes": self.workspace_bytes,
-            "offload": self.offload,
-            "offload_prefetch": self.offload_prefetch,
-            "rotate_owners": self.rotate_owners,
-            "split_replicas": self.split_replicas,
-            "check_grads": self.check_grads,
-            "newton_schulz_impl": self.newton_schulz_impl,
+            **self._settings(),
             "_raw_partitions": self._raw_partitions,
         }
         return state

@@ -8,6 +8,7 @@ the same message instead of hanging in an all-to-all.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,14 +19,18 @@ from torch.distributed.tensor import DTensor
 from shardmuon.ops.update import ADJUST_LR_CHOICES
 
 __all__ = [
+    "AGREED_SETTINGS",
     "ALGORITHMS",
+    "CHECK_GRADS_CHOICES",
     "MOMENTUM_ALIAS",
+    "OPTIMIZER_SETTINGS",
     "apply_momentum_alias",
     "check_grads",
     "check_group",
     "check_group_settings",
     "check_mesh",
     "check_number",
+    "check_optimizer_settings",
 ]
 
 ALGORITHMS = ("muon", "adamw")
@@ -175,3 +180,58 @@ def check_grads(param_groups: list[dict]) -> None:
                 raise ValueError(
                     f"{where}: grad shape {tuple(grad.shape)} differs from the parameter's"
                 )
+
+
+# The optimizer-wide settings (``Muon`` attributes, not group keys): what the constructor
+# takes and checks, what a copy keeps (``__getstate__``), what planning and the agreement
+# digest read. Public attributes, so they are checked again before each step.
+OPTIMIZER_SETTINGS = (
+    "update_rms",
+    "coefficients",
+    "newton_schulz_impl",
+    "max_in_flight",
+    "workspace_bytes",
+    "offload",
+    "offload_prefetch",
+    "rotate_owners",
+    "split_replicas",
+    "check_grads",
+)
+# Those the ranks of a group must share: offload only moves where a rank keeps its state.
+AGREED_SETTINGS = tuple(name for name in OPTIMIZER_SETTINGS if not name.startswith("offload"))
+CHECK_GRADS_CHOICES = ("first", "always", "never")
+
+
+def _check_int(name: str, value: Any, low: int, accepted: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be {accepted}, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be {accepted}, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; accepted: {', '.join(map(repr, choices))}")
+
+
+def check_optimizer_settings(
+    settings: Mapping[str, Any], ns_impls: Sequence[str], offload_choices: Sequence[Any]
+) -> None:
+    """The values of :data:`OPTIMIZER_SETTINGS` (``coefficients`` is checked where it is
+    resolved); raises naming the setting, the value and what is accepted."""
+    rms = settings["update_rms"]
+    if isinstance(rms, bool) or not isinstance(rms, (int, float)):
+        raise TypeError(f"update_rms must be a number, got {rms!r}")
+    if not (rms > 0 and math.isfinite(rms)):
+        raise ValueError(f"update_rms must be a finite number > 0, got {rms!r}")
+    _check_int("max_in_flight", settings["max_in_flight"], 1, "an int >= 1")
+    _check_int("workspace_bytes", settings["workspace_bytes"], 1, "an int > 0 (bytes)")
+    _check_choice("offload", settings["offload"], offload_choices)
+    prefetch = settings["offload_prefetch"]
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"offload_prefetch must be an int >= 1, got {prefetch!r}")
+    _check_choice("newton_schulz_impl", settings["newton_schulz_impl"], ns_impls)
+    _check_choice("check_grads", settings["check_grads"], CHECK_GRADS_CHOICES)
+    for name in ("rotate_owners", "split_replicas"):
+        if not isinstance(settings[name], bool):
+            raise TypeError(f"{name} must be True or False, got {settings[name]!r}")

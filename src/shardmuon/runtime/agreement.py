@@ -26,10 +26,8 @@ that differ, with each rank's value (:func:`first_difference`).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,7 +37,6 @@ from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.placements import ShardGroup
 
 __all__ = [
-    "AgreementSettings",
     "agreement_groups",
     "check_agreement",
     "collective_order",
@@ -48,20 +45,6 @@ __all__ = [
 
 # Keys of a group that change the update of its parameters.
 UPDATE_KEYS = ("lr", "weight_decay", "mu", "nesterov", "epsilon", "adjust_lr", "flatten")
-
-
-@dataclass(frozen=True)
-class AgreementSettings:
-    """Optimizer-wide settings that must be equal on every rank of a group."""
-
-    update_rms: float
-    coefficients: tuple
-    newton_schulz_impl: str
-    max_in_flight: int
-    workspace_bytes: int
-    split_replicas: bool
-    rotate_owners: bool
-    check_grads: str
 
 
 def agreement_groups(batches: Iterable[MuonBatch]) -> list[ShardGroup]:
@@ -89,10 +72,8 @@ def _value(setting) -> object:
 Entry = tuple[str, tuple[tuple[str, object], ...]]
 
 
-def _settings_entry(settings: AgreementSettings) -> Entry:
-    return "the optimizer's settings", tuple(
-        (f.name, getattr(settings, f.name)) for f in dataclasses.fields(settings)
-    )
+def _settings_entry(settings: Mapping[str, object]) -> Entry:
+    return "the optimizer's settings", tuple(settings.items())
 
 
 def _batch_entry(batch: MuonBatch, position: int, as_shard: bool) -> Entry:
@@ -131,7 +112,7 @@ def describe(
     params: Sequence[Tensor],
     group_of: Sequence[int],
     param_groups: Sequence[dict],
-    settings: AgreementSettings,
+    settings: Mapping[str, object],
     ops: Sequence[tuple[str, int]] = (),
 ) -> tuple[list[Entry], list[bool], list[tuple[int, ...]]]:
     """What the members of group ``ranks`` must agree on, seen from this rank.
@@ -250,7 +231,7 @@ def check_agreement(
     params: Sequence[Tensor],
     group_of: Sequence[int],
     param_groups: Sequence[dict],
-    settings: AgreementSettings,
+    settings: Mapping[str, object],
     device: torch.device,
     ops: Sequence[tuple[str, int]] = (),
 ) -> None:
