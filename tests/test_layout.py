@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from shardmuon.planning import placements
+from shardmuon.planning import pieces
 from shardmuon.planning.batches import _OwnerPicker, newton_schulz_cost
-from shardmuon.planning.placements import chunk_sizes
+from shardmuon.planning.pieces import chunk_sizes
 
 
 @pytest.mark.parametrize(("n", "k"), [(30, 4), (3, 4), (8, 4), (1, 3), (0, 2), (17, 5), (64, 1)])
@@ -51,7 +51,8 @@ def test_padded_scheme_volume() -> None:
     to each of 3 peers, there and back, in bf16."""
     from shardmuon.bench.volume import padded_scheme_bytes
     from shardmuon.planning.batches import MuonBatch, Segment
-    from shardmuon.planning.placements import MatrixLayout, Piece, ShardGroup
+    from shardmuon.planning.pieces import Piece
+    from shardmuon.planning.placements import MatrixLayout, ShardGroup
 
     group = ShardGroup(ranks=(0, 1, 2, 3), rank_index=1, process_group=None)
     rows = ((0, 8), (8, 16), (16, 24), (24, 30))
@@ -121,7 +122,7 @@ def _expanded(ranges) -> list[int]:
 
 
 def _check_ranges(extent: int, splits) -> None:
-    ranges = placements.shard_ranges(extent, splits)
+    ranges = pieces.shard_ranges(extent, splits)
     want = _reference_indices(extent, splits)
     where = f"extent {extent}, splits {splits}"
     assert isinstance(ranges, tuple), where
@@ -168,8 +169,8 @@ def test_shard_ranges_three_splits_match_torch(seed: int) -> None:
 
 
 def test_shard_ranges_without_splits_is_the_whole_dim() -> None:
-    assert placements.shard_ranges(7, ()) == ((0, 7),)
-    assert placements.shard_ranges(0, ()) == ()
+    assert pieces.shard_ranges(7, ()) == ((0, 7),)
+    assert pieces.shard_ranges(0, ()) == ()
 
 
 def test_shard_ranges_fsdp_over_tp_example() -> None:
@@ -177,9 +178,7 @@ def test_shard_ranges_fsdp_over_tp_example() -> None:
     (_StridedShard(0, sf=2), Shard(0)): ranks (0,0), (0,1), (1,0), (1,1) hold rows 0-1,
     4-5, 2-3, 6-7 (tp first, then dp: the right-to-left order FSDP2 over TP produces)."""
     held = {
-        (dp, tp): placements.shard_ranges(8, [(2, dp, 2), (2, tp, 1)])
-        for dp in (0, 1)
-        for tp in (0, 1)
+        (dp, tp): pieces.shard_ranges(8, [(2, dp, 2), (2, tp, 1)]) for dp in (0, 1) for tp in (0, 1)
     }
     assert held == {
         (0, 0): ((0, 2),),
@@ -188,13 +187,13 @@ def test_shard_ranges_fsdp_over_tp_example() -> None:
         (1, 1): ((6, 8),),
     }
     # The strided shard alone: each dp rank holds two separate row blocks.
-    assert _expanded(placements.shard_ranges(8, [(2, 0, 2)])) == [0, 1, 4, 5]
-    assert len(placements.shard_ranges(8, [(2, 0, 2)])) == 2
+    assert _expanded(pieces.shard_ranges(8, [(2, 0, 2)])) == [0, 1, 4, 5]
+    assert len(pieces.shard_ranges(8, [(2, 0, 2)])) == 2
 
 
 def test_shard_ranges_uneven_and_empty() -> None:
     # 3 rows, Shard(0) twice over 2x2: 2/1 then 1/1 and 1/0 (the last rank holds nothing).
-    assert [placements.shard_ranges(3, [(2, a, 1), (2, b, 1)]) for a in (0, 1) for b in (0, 1)] == [
+    assert [pieces.shard_ranges(3, [(2, a, 1), (2, b, 1)]) for a in (0, 1) for b in (0, 1)] == [
         ((0, 1),),
         ((1, 2),),
         ((2, 3),),
@@ -202,11 +201,11 @@ def test_shard_ranges_uneven_and_empty() -> None:
     ]
     # A lone _StridedShard(0, sf=2) is read as torch's _split_tensor: pieces [0, 1] | [2];
     # dp 0 gets rows 0 and 2 (not adjacent), dp 1 gets row 1.
-    assert _expanded(placements.shard_ranges(3, [(2, 0, 2)])) == [0, 2]
-    assert _expanded(placements.shard_ranges(3, [(2, 1, 2)])) == [1]
+    assert _expanded(pieces.shard_ranges(3, [(2, 0, 2)])) == [0, 2]
+    assert _expanded(pieces.shard_ranges(3, [(2, 1, 2)])) == [1]
     # _StridedShard(0, sf=2) then Shard(0) over 2x2 is FSDP2 over TP: tp first ([0, 1] | [2]),
     # then dp: (dp, tp) = (0, 0) row 0, (0, 1) row 2, (1, 0) row 1, (1, 1) nothing.
-    held = [placements.shard_ranges(3, [(2, dp, 2), (2, tp, 1)]) for dp in (0, 1) for tp in (0, 1)]
+    held = [pieces.shard_ranges(3, [(2, dp, 2), (2, tp, 1)]) for dp in (0, 1) for tp in (0, 1)]
     assert held == [((0, 1),), ((2, 3),), ((1, 2),), ()]
 
 
@@ -220,7 +219,7 @@ def test_shard_ranges_fsdp_over_tp_is_tp_then_fsdp(extent: int) -> None:
             for dp in range(dp_size):
                 for tp in range(tp_size):
                     splits = [(dp_size, dp, tp_size), (tp_size, tp, 1)]
-                    got = _expanded(placements.shard_ranges(extent, splits))
+                    got = _expanded(pieces.shard_ranges(extent, splits))
                     tp_local = _chunk_of(torch.arange(extent), tp_size, tp)
                     assert got == _chunk_of(tp_local, dp_size, dp).tolist(), (extent, splits)
                     if extent % (dp_size * tp_size) == 0:
@@ -231,16 +230,16 @@ def test_shard_ranges_fsdp_over_tp_is_tp_then_fsdp(extent: int) -> None:
 def test_shard_ranges_fsdp_differs_from_split_tensor_where_uneven() -> None:
     """9 rows on a 4x2 (dp, tp) mesh: FSDP2 leaves (dp=3, tp=0) empty and gives row 8 to
     (dp=3, tp=1); _split_tensor's reading would swap them (and DTensor cannot reassemble that)."""
-    assert placements.shard_ranges(9, [(4, 3, 2), (2, 0, 1)]) == ()
-    assert placements.shard_ranges(9, [(4, 3, 2), (2, 1, 1)]) == ((8, 9),)
+    assert pieces.shard_ranges(9, [(4, 3, 2), (2, 0, 1)]) == ()
+    assert pieces.shard_ranges(9, [(4, 3, 2), (2, 1, 1)]) == ((8, 9),)
     left_to_right = _split((2, 0, 1), _split((4, 3, 2), torch.arange(9)))
     assert left_to_right.tolist() == [8]
 
 
 def test_piece_shape_and_numel() -> None:
-    piece = placements.Piece(rows=((0, 2), (4, 6)), cols=((3, 8),))
+    piece = pieces.Piece(rows=((0, 2), (4, 6)), cols=((3, 8),))
     assert piece.shape == (4, 5)
     assert piece.numel == 20
-    empty = placements.Piece(rows=(), cols=((0, 3),))
+    empty = pieces.Piece(rows=(), cols=((0, 3),))
     assert empty.shape == (0, 3)
     assert empty.numel == 0

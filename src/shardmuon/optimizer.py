@@ -56,6 +56,7 @@ from shardmuon.validation import (
 
 __all__ = ["Muon"]
 
+
 class Muon(Optimizer):
     """Muon with dion's param groups, state and checkpoints; distribution read from DTensors.
 
@@ -493,9 +494,7 @@ class Muon(Optimizer):
         in ascending rank order. Collective over the shard group.
         """
         self._ensure_plan()
-        batch, indices = batch_for_directions(
-            self._plan, self.param_groups, params, U, first_owner
-        )
+        batch, indices = batch_for_directions(self._plan, self.param_groups, params, U, first_owner)
         segments = batch.segments
         ctx = self._context()
         run = BatchRun(batch, segments, receives_from_replica=False)

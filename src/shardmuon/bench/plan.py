@@ -68,13 +68,8 @@ from shardmuon.harness.models import model_config
 from shardmuon.harness.parallel import LAYOUTS, LayoutPlan, apply_layout
 from shardmuon.ops.newton_schulz import NS_PRESETS
 from shardmuon.planning.batches import MuonBatch, newton_schulz_cost
-from shardmuon.planning.placements import (
-    MatrixLayout,
-    ShardGroup,
-    chunk_sizes,
-    local_tensor,
-    shard_ranges,
-)
+from shardmuon.planning.pieces import chunk_sizes, shard_ranges
+from shardmuon.planning.placements import MatrixLayout, ShardGroup, local_tensor
 from shardmuon.planning.workspace import workspace_peak_bytes
 from shardmuon.runtime.exchange import BatchExchange
 from shardmuon.runtime.telemetry import StepStats
@@ -551,7 +546,7 @@ def _symmetric_placement(placement, ndim: int) -> bool:
 
 def _strided_local_shape(spec, coord: tuple[int, ...]) -> tuple[int, ...]:
     """A local shape under placements with ``_StridedShard``: each dim's shards applied in
-    FSDP2's order (:func:`shardmuon.planning.placements.shard_ranges`)."""
+    FSDP2's order (:func:`shardmuon.planning.pieces.shard_ranges`)."""
     shape = list(spec.shape)
     for d in range(len(shape)):
         splits = [

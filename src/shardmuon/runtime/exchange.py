@@ -6,7 +6,7 @@ piece sizes (bf16). A rank that owns no matrix of the batch receives nothing; a 
 an empty shard has size 0. Nothing is padded and no dummy matrix exists.
 
 Phase 2 (the owner): puts each piece's blocks in their place in the whole matrix (each
-piece is a set of global row and column ranges, :class:`~shardmuon.planning.placements.Piece`) and
+piece is a set of global row and column ranges, :class:`~shardmuon.planning.pieces.Piece`) and
 orthogonalizes it (done by the caller, between the phases).
 
 Phase 3 (return): the owner cuts the result into the same pieces and a second
