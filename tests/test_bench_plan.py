@@ -18,13 +18,8 @@ import torch.distributed as dist
 from dist_harness import free_ports, launch_world
 
 from shardmuon.bench.optimizers import make_optimizer
-from shardmuon.bench.plan import (
-    PlanConfig,
-    build_meta_model,
-    parse_meshes,
-    parse_world_sizes,
-    plan_world,
-)
+from shardmuon.bench.plan import parse_meshes, parse_world_sizes, plan_world
+from shardmuon.bench.plan_rank import PlanConfig, build_meta_model
 from shardmuon.bench.report import TABLE_WIDTH
 from shardmuon.cli import main
 from shardmuon.harness.models import param_shapes
