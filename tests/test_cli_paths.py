@@ -16,7 +16,7 @@ from shardmuon.cli import main
 from shardmuon.harness import cli_support
 from shardmuon.harness.cli_support import check_output_dir, check_output_file, check_outputs
 from shardmuon.train import TrainConfig, run_training
-from shardmuon.train import loop as train_loop
+from shardmuon.train import run as train_run
 from shardmuon.train.cli import main as train_main
 
 
@@ -42,8 +42,8 @@ def no_work(monkeypatch):
     monkeypatch.setattr(step, "launch", forbidden)
     monkeypatch.setattr(ns, "measure_shape", forbidden)
     monkeypatch.setattr(ab, "_Setup", forbidden)
-    monkeypatch.setattr(train_loop, "train_on_rank", forbidden)
-    monkeypatch.setattr(train_loop, "prepare_resume", forbidden)
+    monkeypatch.setattr(train_run, "train_on_rank", forbidden)
+    monkeypatch.setattr(train_run, "prepare_resume", forbidden)
 
 
 def _one_line_error(capsys) -> str:

@@ -25,7 +25,7 @@ from shardmuon.harness.models import model_config
 from shardmuon.harness.parallel import LAYOUTS, plan_layout, tensor_parallel_plan
 from shardmuon.train import TrainConfig
 from shardmuon.train.cli import main as train_main
-from shardmuon.train.loop import run_training
+from shardmuon.train.run import run_training
 
 # A vocabulary of 30 (the trainer's): lm_head / embed_tokens rows split 15 per tp rank,
 # then 8 and 7 over dp (uneven FSDP shards of TP shards).

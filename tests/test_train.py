@@ -20,15 +20,11 @@ from fixtures import load_case
 from shardmuon.train import CharTokenizer, CheckpointError, ReverseTextTask, TrainConfig
 from shardmuon.train import checkpoint as ckpt_io
 from shardmuon.train.cli import main as train_main
+from shardmuon.train.config import range_means
 from shardmuon.train.data import IGNORE_INDEX, num_target_tokens, rank_slice
 from shardmuon.train.dion_format import read_dion_file
-from shardmuon.train.loop import (
-    build_optimizer,
-    build_training_model,
-    range_means,
-    run_training,
-    sft_loss_sum,
-)
+from shardmuon.train.loop import build_optimizer, build_training_model, sft_loss_sum
+from shardmuon.train.run import run_training
 
 STEPS = 12
 HALF = 6

@@ -27,8 +27,9 @@ from shardmuon.harness.cli_support import (
 from shardmuon.harness.models import MODEL_PRESETS
 from shardmuon.harness.parallel import parse_mesh_shape, plan_layout
 from shardmuon.ops.newton_schulz import NS_PRESETS
-from shardmuon.train.loop import OPTIMIZERS, TRAIN_LAYOUTS, TrainConfig, TrainResult, run_training
+from shardmuon.train.config import OPTIMIZERS, TRAIN_LAYOUTS, TrainConfig, TrainResult
 from shardmuon.train.resume import RESUME_FIXED, adopt_checkpoint_settings
+from shardmuon.train.run import run_training
 
 _DESCRIPTION = """\
 Supervised fine-tuning of a tiny random-init Qwen3 / Qwen3-MoE on a synthetic

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from shardmuon.harness.processes import exit_worker, free_port, threads_per_rank
-from shardmuon.train.loop import TrainConfig, TrainResult, train_on_rank
+from shardmuon.train.config import TrainConfig, TrainResult
+from shardmuon.train.loop import train_on_rank
 
 __all__ = ["spawn_training"]
 
@@ -53,6 +54,7 @@ _PRELOAD = (
     "torch",
     "torch.distributed.fsdp",
     "shardmuon.train.loop",
+    "shardmuon.train.run",
     "shardmuon.train.launch",
     "shardmuon.optimizer",
     "transformers.models.qwen3.modeling_qwen3",

@@ -11,13 +11,10 @@ batch, so the loss curve does not depend on the world size or the layout.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
 import re
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardmuon.harness.cli_support import check_outputs, note
-from shardmuon.harness.processes import threads_per_rank
 from shardmuon.train import checkpoint as ckpt_io
-from shardmuon.train import dion_format, recovery
+from shardmuon.train import dion_format
+from shardmuon.train.config import EXPERT_MESH_NAME, TrainConfig, TrainResult, range_means
 from shardmuon.train.data import (
     IGNORE_INDEX,
     CharTokenizer,
@@ -37,159 +33,6 @@ from shardmuon.train.data import (
     num_target_tokens,
     rank_slice,
 )
-from shardmuon.train.resume import recorded_settings, settings_conflicts
-
-OPTIMIZERS = ("muon", "adamw")
-TRAIN_LAYOUTS = ("fsdp", "ep", "fsdp-tp")
-# The seed PR's step ranges, plus 1-10 (the convergence criterion's baseline).
-LOSS_RANGES: tuple[tuple[int, int], ...] = ((1, 10), (11, 31), (32, 62), (51, 100), (101, 150))
-EXPERT_MESH_NAME = "ep"
-
-
-@dataclass
-class TrainConfig:
-    """Everything a training run depends on (it is also written into checkpoints)."""
-
-    model: str = "tiny-moe"
-    num_layers: int | None = 2
-    optimizer: str = "muon"
-    coefficients: str = "dion"
-    update_rms: float = 0.2
-    lr: float = 0.01
-    weight_decay: float = 0.0
-    mu: float = 0.95
-    nesterov: bool = False
-    offload: str | None = None
-    steps: int = 150
-    batch_size: int = 128
-    seed: int = 0
-    min_len: int = 2
-    max_len: int = 8
-    nproc: int = 2
-    layout: str = "fsdp"
-    # fsdp-tp only: (dp, tp); None = shardmuon.harness.parallel's default for nproc (4 -> 2x2).
-    mesh: tuple[int, ...] | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    resume: str | None = None
-    resume_dion: str | None = None
-    dion_out: str | None = None
-    json_out: str | None = None
-    csv_out: str | None = None
-    plot_out: str | None = None
-    quiet: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def _validate_mesh(self) -> None:
-        if self.layout != "fsdp-tp":
-            if self.mesh is not None:
-                raise ValueError(
-                    f"mesh {self.mesh!r} given for layout {self.layout!r}; only layout "
-                    "'fsdp-tp' takes a mesh (DPxTP)"
-                )
-            return
-        from shardmuon.harness.models import attention_dims
-        from shardmuon.harness.parallel import plan_layout
-
-        mesh = None if self.mesh is None else tuple(self.mesh)
-        shape = plan_layout(self.layout, self.nproc, mesh).mesh_shape
-        tp = shape[1]
-        for key, heads in attention_dims(self.model).items():
-            if key != "head_dim" and heads % tp:
-                raise ValueError(
-                    f"layout 'fsdp-tp' on mesh {shape[0]}x{tp}: tp={tp} does not divide "
-                    f"{key}={heads} of model {self.model!r} (attention heads are split over "
-                    "tp); give a --mesh DPxTP whose TP divides it"
-                )
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad field and what is accepted."""
-        from shardmuon.harness.models import MODEL_PRESETS
-
-        if self.model not in MODEL_PRESETS:
-            raise ValueError(f"model {self.model!r} unknown; accepted: {sorted(MODEL_PRESETS)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer {self.optimizer!r} unknown; accepted: {OPTIMIZERS}")
-        if self.layout not in TRAIN_LAYOUTS:
-            raise ValueError(f"layout {self.layout!r} unknown; accepted: {TRAIN_LAYOUTS}")
-        self._validate_mesh()
-        for name in ("steps", "batch_size", "nproc"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.batch_size < self.nproc:
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be >= nproc ({self.nproc}): "
-                "every rank needs at least one sample"
-            )
-        if torch.cuda.is_available() and self.nproc > torch.cuda.device_count():
-            raise ValueError(
-                f"nproc {self.nproc} needs {self.nproc} GPUs (one per process, NCCL); this "
-                f"machine has {torch.cuda.device_count()}"
-            )
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        if self.checkpoint_every and not self.checkpoint_dir:
-            raise ValueError("checkpoint_every needs checkpoint_dir")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
-        if not (math.isfinite(self.update_rms) and self.update_rms > 0):
-            raise ValueError(f"update_rms must be a finite number > 0, got {self.update_rms!r}")
-        if self.resume and self.resume_dion:
-            raise ValueError("give either resume or resume_dion, not both")
-        if self.optimizer == "muon":
-            from shardmuon import resolve_coefficients
-
-            resolve_coefficients(self.coefficients)
-        ReverseTextTask(self.min_len, self.max_len, self.seed)
-        # Last, as it touches the disk; before any work, so that a path that cannot be
-        # written fails now rather than after the training.
-        check_outputs(
-            {
-                "--json": self.json_out,
-                "--csv": self.csv_out,
-                "--plot": self.plot_out,
-                "--dion-out": self.dion_out,
-            },
-            {"--checkpoint-dir": self.checkpoint_dir},
-        )
-
-
-@dataclass
-class TrainResult:
-    """What a run produced (rank 0's view; identical on every rank)."""
-
-    losses: dict[int, float]
-    range_means: dict[str, float]
-    start_step: int
-    world_size: int
-    seconds: float
-    checkpoints: list[str]
-    resumed_from: str | None = None
-
-    def to_json(self, config: TrainConfig) -> dict[str, Any]:
-        """JSON-ready dict (the ``--json`` format)."""
-        return {
-            "config": dataclasses.asdict(config),
-            "world_size": self.world_size,
-            "start_step": self.start_step,
-            "resumed_from": self.resumed_from,
-            "seconds": self.seconds,
-            "losses": [{"step": s, "loss": v} for s, v in sorted(self.losses.items())],
-            "range_means": self.range_means,
-            "checkpoints": self.checkpoints,
-        }
-
-
-def range_means(losses: dict[int, float]) -> dict[str, float]:
-    """Mean loss over each of :data:`LOSS_RANGES` that ``losses`` covers entirely."""
-    out = {}
-    for lo, hi in LOSS_RANGES:
-        steps = range(lo, hi + 1)
-        if all(s in losses for s in steps):
-            out[f"{lo}-{hi}"] = sum(losses[s] for s in steps) / len(steps)
-    return out
-
 
 # ---------------------------------------------------------------------------- model + optimizer
 
@@ -450,90 +293,3 @@ def _progress(config: TrainConfig, rank: int, start: int) -> _Progress | None:
 
 
 # ---------------------------------------------------------------------------- a run
-
-
-def prepare_resume(config: TrainConfig) -> str | None:
-    """Choose and check what ``config`` resumes from, before any process starts.
-
-    Repairs the leftovers of killed saves, picks the checkpoint (a damaged newest one is
-    skipped with a warning), refuses optimizer settings that differ from the checkpoint's
-    (:mod:`.resume`), and checks its tensors against an unsharded copy of this run's model
-    and optimizer. Returns the checkpoint directory or dion-format file, or ``None``.
-    """
-    dion_path = config.resume_dion or (
-        config.resume if config.resume and Path(config.resume).is_file() else None
-    )
-    if dion_path:
-        dion_format.read_dion_file(dion_path)
-        _refuse_changed_settings(config, recorded_settings(config))
-        return dion_path
-    if not config.resume:
-        return None
-    selection = recovery.find_checkpoint(config.resume, repair=True)
-    for line in selection.notes:
-        note(f"shardmuon train: {line}")
-    path = selection.path
-    _refuse_changed_settings(config, recorded_settings(config, path))
-    model = build_training_model(config, CharTokenizer())
-    optimizer = build_optimizer(config, model, EXPERT_MESH_NAME if config.layout == "ep" else None)
-    expected = ckpt_io.expected_entries(ckpt_io.training_state_dict(model, optimizer))
-    ckpt_io.check_compatible(path, expected)
-    return str(path)
-
-
-def _refuse_changed_settings(config: TrainConfig, recorded: dict[str, Any]) -> None:
-    conflicts = settings_conflicts(config, recorded)
-    if conflicts:
-        raise ValueError(
-            "a resume continues with the checkpoint's optimizer settings; these differ: "
-            + ", ".join(conflicts)
-            + ". Leave them out (they are taken from the checkpoint) or give its values"
-        )
-
-
-def run_training(config: TrainConfig) -> TrainResult:
-    """Validate ``config``, train on ``config.nproc`` processes, write the requested outputs.
-
-    Raises ValueError (a :class:`~.checkpoint.CheckpointError` for checkpoints) for bad input,
-    before any training.
-    """
-    config.validate()
-    if config.checkpoint_dir:
-        for line in recovery.repair_checkpoints(config.checkpoint_dir):
-            note(f"shardmuon train: {line}")
-    resume_from = prepare_resume(config)
-    if config.nproc == 1:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(threads_per_rank(1))
-        try:
-            result = train_on_rank(config, 0, 1, resume_from)
-        finally:
-            torch.set_num_threads(threads)
-    else:
-        from shardmuon.train.launch import spawn_training
-
-        result = spawn_training(config, resume_from)
-    if config.json_out:
-        write_losses(config.json_out, result, config)
-    if config.csv_out:
-        write_losses(config.csv_out, result, config, csv=True)
-    if config.plot_out:
-        from shardmuon.train.plot import plot_curves
-
-        steps = sorted(result.losses)
-        label = Path(config.json_out).stem if config.json_out else "this run"
-        plot_curves([(steps, [result.losses[s] for s in steps], label)], config.plot_out)
-    return result
-
-
-def write_losses(
-    path: str | os.PathLike, result: TrainResult, config: TrainConfig, *, csv: bool = False
-) -> None:
-    """Per-step losses as JSON (with config and range means) or, with ``csv``, ``step,loss``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if csv:
-        lines = ["step,loss"] + [f"{s},{v!r}" for s, v in sorted(result.losses.items())]
-        path.write_text("\n".join(lines) + "\n")
-    else:
-        path.write_text(json.dumps(result.to_json(config), indent=2))

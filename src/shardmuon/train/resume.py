@@ -20,7 +20,7 @@ from shardmuon.train.checkpoint import read_trainer_state
 from shardmuon.train.recovery import find_checkpoint
 
 if TYPE_CHECKING:
-    from shardmuon.train.loop import TrainConfig
+    from shardmuon.train.config import TrainConfig
 
 __all__ = [
     "RESUME_FIXED",

@@ -1,0 +1,110 @@
+"""``shardmuon train``'s driver: resume checks, then one process (``--nproc 1``) or the
+spawned ranks (:mod:`shardmuon.train.launch`), each running :func:`shardmuon.train.loop.train_on_rank`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardmuon.harness.cli_support import note
+from shardmuon.harness.processes import threads_per_rank
+from shardmuon.train import checkpoint as ckpt_io
+from shardmuon.train import dion_format, recovery
+from shardmuon.train.config import EXPERT_MESH_NAME, TrainConfig, TrainResult
+from shardmuon.train.data import (
+    CharTokenizer,
+)
+from shardmuon.train.launch import spawn_training
+from shardmuon.train.loop import build_optimizer, build_training_model, train_on_rank
+from shardmuon.train.resume import recorded_settings, settings_conflicts
+
+__all__ = ["prepare_resume", "run_training", "write_losses"]
+
+
+def prepare_resume(config: TrainConfig) -> str | None:
+    """Choose and check what ``config`` resumes from, before any process starts.
+
+    Repairs the leftovers of killed saves, picks the checkpoint (a damaged newest one is
+    skipped with a warning), refuses optimizer settings that differ from the checkpoint's
+    (:mod:`.resume`), and checks its tensors against an unsharded copy of this run's model
+    and optimizer. Returns the checkpoint directory or dion-format file, or ``None``.
+    """
+    dion_path = config.resume_dion or (
+        config.resume if config.resume and Path(config.resume).is_file() else None
+    )
+    if dion_path:
+        dion_format.read_dion_file(dion_path)
+        _refuse_changed_settings(config, recorded_settings(config))
+        return dion_path
+    if not config.resume:
+        return None
+    selection = recovery.find_checkpoint(config.resume, repair=True)
+    for line in selection.notes:
+        note(f"shardmuon train: {line}")
+    path = selection.path
+    _refuse_changed_settings(config, recorded_settings(config, path))
+    model = build_training_model(config, CharTokenizer())
+    optimizer = build_optimizer(config, model, EXPERT_MESH_NAME if config.layout == "ep" else None)
+    expected = ckpt_io.expected_entries(ckpt_io.training_state_dict(model, optimizer))
+    ckpt_io.check_compatible(path, expected)
+    return str(path)
+
+
+def _refuse_changed_settings(config: TrainConfig, recorded: dict[str, Any]) -> None:
+    conflicts = settings_conflicts(config, recorded)
+    if conflicts:
+        raise ValueError(
+            "a resume continues with the checkpoint's optimizer settings; these differ: "
+            + ", ".join(conflicts)
+            + ". Leave them out (they are taken from the checkpoint) or give its values"
+        )
+
+
+def run_training(config: TrainConfig) -> TrainResult:
+    """Validate ``config``, train on ``config.nproc`` processes, write the requested outputs.
+
+    Raises ValueError (a :class:`~.checkpoint.CheckpointError` for checkpoints) for bad input,
+    before any training.
+    """
+    config.validate()
+    if config.checkpoint_dir:
+        for line in recovery.repair_checkpoints(config.checkpoint_dir):
+            note(f"shardmuon train: {line}")
+    resume_from = prepare_resume(config)
+    if config.nproc == 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(threads_per_rank(1))
+        try:
+            result = train_on_rank(config, 0, 1, resume_from)
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        result = spawn_training(config, resume_from)
+    if config.json_out:
+        write_losses(config.json_out, result, config)
+    if config.csv_out:
+        write_losses(config.csv_out, result, config, csv=True)
+    if config.plot_out:
+        from shardmuon.train.plot import plot_curves
+
+        steps = sorted(result.losses)
+        label = Path(config.json_out).stem if config.json_out else "this run"
+        plot_curves([(steps, [result.losses[s] for s in steps], label)], config.plot_out)
+    return result
+
+
+def write_losses(
+    path: str | os.PathLike, result: TrainResult, config: TrainConfig, *, csv: bool = False
+) -> None:
+    """Per-step losses as JSON (with config and range means) or, with ``csv``, ``step,loss``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if csv:
+        lines = ["step,loss"] + [f"{s},{v!r}" for s, v in sorted(result.losses.items())]
+        path.write_text("\n".join(lines) + "\n")
+    else:
+        path.write_text(json.dumps(result.to_json(config), indent=2))
