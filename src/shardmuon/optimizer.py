@@ -45,13 +45,12 @@ from shardmuon.validation import (
     MOMENTUM_ALIAS,
     OPTIMIZER_SETTINGS,
     apply_momentum_alias,
-    check_adjust_lr,
+    check_dion_arguments,
     check_grads,
     check_group,
     check_group_settings,
-    check_mesh,
-    check_number,
     check_optimizer_settings,
+    group_defaults,
 )
 
 __all__ = ["Muon"]
@@ -147,55 +146,25 @@ class Muon(Optimizer):
         world_mesh: Any = None,
         fsdp_mesh_dim: Any = None,
     ) -> None:
-        if not isinstance(betas, Sequence) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        check_mesh(distributed_mesh)
-        check_mesh(world_mesh, "world_mesh")
-        if fsdp_mesh_dim is not None and not isinstance(fsdp_mesh_dim, (int, str)):
-            raise TypeError(
-                f"fsdp_mesh_dim must be None, an int or a mesh dim name, got {fsdp_mesh_dim!r}"
-            )
-        if not isinstance(use_triton, bool):
-            raise TypeError(f"use_triton must be True or False, got {use_triton!r}")
-        if newton_schulz_func is not None:
-            raise ValueError(
-                "newton_schulz_func (dion's custom orthogonalization) is not supported; choose "
-                "the iteration with newton_schulz_coefficients (a preset name or (a, b, c) "
-                "triples)"
-            )
-        for name, value, upper in (
-            ("lr", lr, None),
-            ("mu", mu, 1.0),
-            ("betas[0]", betas[0], 1.0),
-            ("betas[1]", betas[1], 1.0),
-            ("weight_decay", weight_decay, None),
-        ):
-            check_number(name, value, upper)
-        check_number("epsilon", epsilon, positive=True)
-        check_adjust_lr("", adjust_lr)
-        defaults = dict(
-            lr=lr,
-            mu=mu,
-            beta1=betas[0],
-            beta2=betas[1],
-            weight_decay=weight_decay,
-            algorithm="muon",
-            step=0,
-            epsilon=epsilon,
-            nesterov=nesterov,
-            flatten=flatten,
-            adjust_lr=adjust_lr,
+        check_dion_arguments(
+            distributed_mesh, world_mesh, fsdp_mesh_dim, use_triton, newton_schulz_func
         )
-        self.update_rms = update_rms
-        self.coefficients = resolve_coefficients(newton_schulz_coefficients)
-        self.max_in_flight = max_in_flight
-        self.workspace_bytes = workspace_bytes
-        self.offload = offload
-        self.offload_prefetch = offload_prefetch
-        self.rotate_owners = rotate_owners
-        self.split_replicas = split_replicas
-        self.check_grads = check_grads
-        self.newton_schulz_impl = newton_schulz_impl
+        defaults = group_defaults(
+            lr=lr, mu=mu, betas=betas, weight_decay=weight_decay, epsilon=epsilon,
+            nesterov=nesterov, flatten=flatten, adjust_lr=adjust_lr,
+        )  # fmt: skip
+        self.__dict__.update(
+            update_rms=update_rms,
+            coefficients=resolve_coefficients(newton_schulz_coefficients),
+            newton_schulz_impl=newton_schulz_impl,
+            max_in_flight=max_in_flight,
+            workspace_bytes=workspace_bytes,
+            offload=offload,
+            offload_prefetch=offload_prefetch,
+            rotate_owners=rotate_owners,
+            split_replicas=split_replicas,
+            check_grads=check_grads,
+        )
         self._check_options()
         self.update_rms = float(update_rms)
         self._raw_partitions = dict(matrix_partitions or {})

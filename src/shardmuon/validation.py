@@ -25,12 +25,14 @@ __all__ = [
     "MOMENTUM_ALIAS",
     "OPTIMIZER_SETTINGS",
     "apply_momentum_alias",
+    "check_dion_arguments",
     "check_grads",
     "check_group",
     "check_group_settings",
     "check_mesh",
     "check_number",
     "check_optimizer_settings",
+    "group_defaults",
 ]
 
 ALGORITHMS = ("muon", "adamw")
@@ -235,3 +237,67 @@ def check_optimizer_settings(
     for name in ("rotate_owners", "split_replicas"):
         if not isinstance(settings[name], bool):
             raise TypeError(f"{name} must be True or False, got {settings[name]!r}")
+
+
+def check_dion_arguments(
+    distributed_mesh: Any,
+    world_mesh: Any,
+    fsdp_mesh_dim: Any,
+    use_triton: Any,
+    newton_schulz_func: Any,
+) -> None:
+    """dion's constructor arguments that shardmuon accepts for drop-in use: type-checked
+    (the meshes and ``use_triton`` are otherwise ignored), a custom orthogonalization refused."""
+    check_mesh(distributed_mesh)
+    check_mesh(world_mesh, "world_mesh")
+    if fsdp_mesh_dim is not None and not isinstance(fsdp_mesh_dim, (int, str)):
+        raise TypeError(
+            f"fsdp_mesh_dim must be None, an int or a mesh dim name, got {fsdp_mesh_dim!r}"
+        )
+    if not isinstance(use_triton, bool):
+        raise TypeError(f"use_triton must be True or False, got {use_triton!r}")
+    if newton_schulz_func is not None:
+        raise ValueError(
+            "newton_schulz_func (dion's custom orthogonalization) is not supported; choose "
+            "the iteration with newton_schulz_coefficients (a preset name or (a, b, c) "
+            "triples)"
+        )
+
+
+def group_defaults(
+    *,
+    lr: Any,
+    mu: Any,
+    betas: Any,
+    weight_decay: Any,
+    epsilon: Any,
+    nesterov: Any,
+    flatten: Any,
+    adjust_lr: Any,
+) -> dict[str, Any]:
+    """The param groups' defaults (dion's keys), checked as a group's settings are."""
+    if not isinstance(betas, Sequence) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for name, value, upper in (
+        ("lr", lr, None),
+        ("mu", mu, 1.0),
+        ("betas[0]", betas[0], 1.0),
+        ("betas[1]", betas[1], 1.0),
+        ("weight_decay", weight_decay, None),
+    ):
+        check_number(name, value, upper)
+    check_number("epsilon", epsilon, positive=True)
+    check_adjust_lr("", adjust_lr)
+    return dict(
+        lr=lr,
+        mu=mu,
+        beta1=betas[0],
+        beta2=betas[1],
+        weight_decay=weight_decay,
+        algorithm="muon",
+        step=0,
+        epsilon=epsilon,
+        nesterov=nesterov,
+        flatten=flatten,
+        adjust_lr=adjust_lr,
+    )
