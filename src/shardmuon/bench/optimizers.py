@@ -92,31 +92,32 @@ def make_optimizer(
     ``meshes``: the meshes the layout built, by name (:class:`shardmuon.harness.parallel.AppliedLayout`);
     only ``dion`` reads them.
     """
-    from shardmuon import Muon
+    from shardmuon.config import MuonConfig, build_optimizer
     from shardmuon.routing import build_param_groups
 
     if impl == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
+    dims = attention_dims(model_name)
+    options = shardmuon_options(impl)
+    if options is not None:
+        config = MuonConfig(
+            lr=lr,
+            nesterov=True,
+            weight_decay=WEIGHT_DECAY,
+            newton_schulz_coefficients=coefficients,
+            **options,
+        )
+        return build_optimizer(model, config, expert_mesh_name=expert_mesh_name, **dims)
     routed = build_param_groups(
         model.named_parameters(),
         lr=lr,
         weight_decay=WEIGHT_DECAY,
         expert_mesh_name=expert_mesh_name,
-        **attention_dims(model_name),
+        **dims,
     )
     if impl == "torch-muon":
         return TorchMuonPair(routed.groups, lr)
-    if impl == "dion":
-        return make_dion(routed.groups, lr, fsdp_mesh(meshes))
-    return Muon(
-        routed.groups,
-        lr=lr,
-        nesterov=True,
-        weight_decay=WEIGHT_DECAY,
-        matrix_partitions=routed.partitions,
-        newton_schulz_coefficients=coefficients,
-        **shardmuon_options(impl),
-    )
+    return make_dion(routed.groups, lr, fsdp_mesh(meshes))
 
 
 def fsdp_mesh(meshes: dict[str, Any]):

@@ -102,7 +102,7 @@ def shard_model(model: nn.Module, layout: str, mesh: tuple[int, ...] | None = No
 def build_optimizer(
     config: TrainConfig, model: nn.Module, expert_mesh_name: str | None
 ) -> torch.optim.Optimizer:
-    """Muon through the real routing path (``build_param_groups``), or torch AdamW."""
+    """Muon through ``shardmuon.config.build_optimizer`` (the routing users get), or torch AdamW."""
     if config.optimizer == "adamw":
         return torch.optim.AdamW(
             model.parameters(),
@@ -111,20 +111,11 @@ def build_optimizer(
             eps=1e-8,
             weight_decay=config.weight_decay,
         )
-    from shardmuon import Muon
+    from shardmuon.config import MuonConfig
+    from shardmuon.config import build_optimizer as build_muon
     from shardmuon.harness.models import attention_dims
-    from shardmuon.routing import build_param_groups
 
-    routed = build_param_groups(
-        model.named_parameters(),
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        adjust_lr="rms_norm",
-        expert_mesh_name=expert_mesh_name,
-        **attention_dims(config.model),
-    )
-    return Muon(
-        routed.groups,
+    muon_config = MuonConfig(
         lr=config.lr,
         mu=config.mu,
         betas=(0.9, 0.95),
@@ -134,8 +125,10 @@ def build_optimizer(
         adjust_lr="rms_norm",
         update_rms=config.update_rms,
         newton_schulz_coefficients=config.coefficients,
-        matrix_partitions=routed.partitions,
         offload=config.offload,
+    )
+    return build_muon(
+        model, muon_config, expert_mesh_name=expert_mesh_name, **attention_dims(config.model)
     )
 
 
