@@ -1,4 +1,4 @@
-"""Validated optimizer config (the seed's ``optim.*`` fields) and ``build_optimizer``.
+"""Validated optimizer config (prime-rl's ``optim.*`` fields for Muon) and ``build_optimizer``.
 
 :class:`MuonConfig` is a pydantic v2 model rather than a self-checking dataclass because
 the config it mirrors (prime-rl's ``optim.*`` section) is pydantic and arrives as parsed
@@ -49,7 +49,7 @@ class MuonConfig(BaseModel):
     """Every ``shardmuon.Muon`` constructor option a user sets, with the same names.
 
     Defaults are the constructor's, except ``adjust_lr``: the constructor defaults to dion's
-    ``"spectral_norm"`` (drop-in for dion call sites), the config to the seed's
+    ``"spectral_norm"`` (drop-in for dion call sites), the config to prime-rl's
     ``"rms_norm"`` with ``update_rms=0.2`` (prime-rl's ``optim.*`` defaults). Left out on
     purpose: ``params`` and ``matrix_partitions`` (they come from the model, through
     :func:`build_optimizer`'s routing) and the dion mesh arguments (ignored by ``Muon``).

@@ -57,7 +57,24 @@ __all__ = ["Muon"]
 
 
 class Muon(Optimizer):
-    """Muon with dion's param groups, state and checkpoints; distribution read from DTensors.
+    r"""Muon with dion's param groups, state and checkpoints; distribution read from DTensors.
+
+    For each matrix ``X`` (the last two dims of a Muon parameter; each block of a
+    partitioned one) with gradient ``G``, at every step::
+
+        M <- mu * M + G                                  (momentum, fp32 or the param dtype)
+        U <- mu * M + G  if nesterov  else  M
+        O <- NS(U / (||U||_F + eps))                     (Newton-Schulz in bf16: for each
+                                                           (a, b, c), A = X X^T,
+                                                           X <- a X + (b A + c A^2) X)
+        X <- X * (1 - lr * weight_decay) - lr * scale(m, n) * O
+
+    for an ``[m, n]`` matrix, with ``scale`` = ``sqrt(m / n)`` for ``adjust_lr=
+    "spectral_norm"``, ``update_rms * sqrt(max(m, n))`` for ``"rms_norm"``,
+    ``sqrt(max(1, m / n))`` for ``"keller_muon"``, 1 for ``None``. Parameters of
+    ``"adamw"`` groups get dion's AdamW. The owner of each matrix (one rank of its shard
+    group) runs ``NS`` on the whole matrix; the others send their pieces and get theirs of
+    ``O`` back (``planning/`` decides who, ``runtime/`` does it).
 
     Args:
         params: param groups (dicts with ``params`` and ``algorithm`` = ``"muon"`` or

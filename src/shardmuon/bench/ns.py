@@ -40,7 +40,8 @@ __all__ = [
     "run",
 ]
 
-# The seed PR's shapes (H200 timings there), and the same family scaled down for a CPU:
+# The MoE and attention shapes of a 30B-A3B model (the H200 reference timings are for
+# these), and the same family scaled down for a CPU:
 # matrix dims / 4 (the last one / 8) and smaller batches, keeping two with min dim >= 512.
 GPU_SHAPES: tuple[tuple[int, ...], ...] = (
     (32, 768, 2048),
@@ -159,7 +160,7 @@ def add_parser(subparsers) -> None:
         "--shapes",
         type=str,
         default=None,
-        help="comma-separated [BATCHx]ROWSxCOLS (default: the seed's shapes on GPU, "
+        help="comma-separated [BATCHx]ROWSxCOLS (default: the 30B-A3B shapes on GPU, "
         "a scaled-down set on CPU)",
     )
     p.add_argument(

@@ -201,7 +201,7 @@ def plan_world(
 # ------------------------------------------------------------------ command line
 
 
-# The largest world bench plan accepts (issue #19: a million ranks ran for minutes with no
+# The largest world bench plan accepts (a million ranks ran for minutes with no
 # output, building the groups and pieces of every rank before the first progress line).
 MAX_WORLD_SIZE = 16384
 

@@ -1,7 +1,7 @@
 """Model presets for benchmarks and training: Hugging Face causal LMs from a config, random init.
 
 Nothing is downloaded: each preset is a config written out here. The tiny presets are
-sized for CPU runs (``tiny-qwen3-moe``, the widest, is the workload of issue #12);
+sized for CPU runs (``tiny-qwen3-moe``, the widest, is the step-memory and overhead workload);
 ``qwen3-30b-a3b`` and ``glm-4.5-air`` carry the published ``config.json`` values of
 Qwen/Qwen3-30B-A3B and zai-org/GLM-4.5-Air, for GPU machines (cut them with ``num_layers``).
 For those, :func:`param_shapes` gives the parameter shapes without allocating anything (the
@@ -58,7 +58,7 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         ),
         "small Qwen3-MoE: 4 layers (first dense), hidden 256, 8 experts; for CPU runs",
     ),
-    # The workload of issue #12: a tiny Qwen3-MoE whose Muon matrices are 256-1024 wide,
+    # The step-memory workload: a tiny Qwen3-MoE whose Muon matrices are 256-1024 wide,
     # so that Newton-Schulz dominates the step as it does at scale.
     "tiny-qwen3-moe": ModelPreset(
         "Qwen3MoeConfig",

@@ -1,8 +1,9 @@
 """Processes of the multi-process launchers of ``shardmuon bench`` and ``shardmuon train``:
 ports, threads per rank, and ending a spawned worker safely.
 
-Ending a worker: a gloo worker thread destroys a finished collective's ``Work`` (and decrefs its Python
-tensors, which takes the GIL) some time after the caller has seen it complete. If the
+Ending a worker: a gloo worker thread destroys a finished collective's ``Work`` (and
+decrefs its Python tensors, which takes the GIL) some time after the caller has seen it
+complete. If the
 process is already in interpreter finalisation then, the thread is torn down while
 unwinding and the process aborts ("terminate called without an active exception",
 SIGABRT) even though all work succeeded. Seen intermittently after a final

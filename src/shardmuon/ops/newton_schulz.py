@@ -53,7 +53,7 @@ _DION: Coefficients = (
 # Keller Jordan's quintic (KellerJordan/Muon, muon.py), repeated 5 times.
 _KELLER: Coefficients = ((3.4445, -4.7750, 2.0315),) * 5
 # DeepSeek-V4: 8 Keller steps to converge fast, then 2 steps of the cubic-like
-# (2, -1.5, 0.5) that pull singular values to 1 (0.998-1.003 measured in the seed PR).
+# (2, -1.5, 0.5) that pull singular values to 1 (singular values 0.998-1.003 as DeepSeek-V4 reports).
 _DEEPSEEK_V4: Coefficients = ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
 # Polar Express, 5 steps: Amsel, Persson, Musco, Gower, "The Polar Express: Optimal
 # Matrix Sign Methods and Their Application to the Muon Algorithm", arXiv:2505.16932
@@ -312,7 +312,7 @@ def newton_schulz_compiled(
 ) -> Tensor:
     """:func:`newton_schulz` through ``torch.compile`` (compiled on first use, per shape).
 
-    The counterpart of the seed PR's "compiled NS" rows: the same iteration, but inductor
+    A compiled Newton-Schulz as fast Muon implementations ship: the same iteration, but inductor
     may fuse and reorder, so results are close to, not bitwise equal to, the eager
     :func:`newton_schulz`; the first call of each shape pays the compilation (seconds).
     """

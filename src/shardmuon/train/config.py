@@ -31,7 +31,8 @@ OPTIMIZERS = ("muon", "adamw")
 TRAIN_LAYOUTS = ("fsdp", "ep", "fsdp-tp")
 
 
-# The seed PR's step ranges, plus 1-10 (the convergence criterion's baseline).
+# The step ranges prime-rl's Muon runs are reported over, plus 1-10 (the convergence
+# criterion's baseline).
 LOSS_RANGES: tuple[tuple[int, int], ...] = ((1, 10), (11, 31), (32, 62), (51, 100), (101, 150))
 
 
