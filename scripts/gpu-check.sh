@@ -9,8 +9,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 PY=python3
 $PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
-timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_newton_schulz.py \
-  tests/test_optimizer_api.py tests/test_offload.py -k "not distributed" 2>&1 | tail -15 \
+timeout 150 $PY -m pytest -q -p no:cacheprovider tests/optimizer/test_cuda.py tests/ops/test_newton_schulz.py \
+  tests/optimizer/test_optimizer_api.py tests/runtime/test_offload.py -k "not distributed" 2>&1 | tail -15 \
   | tee "$OUT/tests.txt"
 B="$PY -m shardmuon"
 # Newton-Schulz per call on the seed's H200 shapes (the GPU default of bench ns).

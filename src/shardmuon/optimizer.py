@@ -1,11 +1,11 @@
 """``Muon``: the optimizer class. It plans and dispatches; the math and the step live elsewhere.
 
 The class is the torch.optim facade: settings and their checks, param groups, state,
-checkpoints, the plan (``plan.py``: layouts, batches, owners, computed once and rebuilt
-when a planned setting changes), the agreement check between ranks (``agreement.py``),
+checkpoints, the plan (``planning/``: layouts, batches, owners, computed once and rebuilt
+when a planned setting changes), the agreement check between ranks (``runtime/agreement.py``),
 and rounds of ``step_chunk``. A step's work, batch by batch and phase by phase, is in
-``pipeline.py``; the all-to-alls in ``exchange.py``; the bytes in flight in
-``workspace.py``.
+``runtime/phases.py`` and ``runtime/pipeline.py``; the all-to-alls in ``runtime/exchange.py``;
+the bytes in flight in ``planning/workspace.py``.
 """
 
 from __future__ import annotations
@@ -97,12 +97,12 @@ class Muon(Optimizer):
         max_in_flight: batches between the gather and the compute phase in ``step()``.
         workspace_bytes: the budget for the step's transient buffers on each rank (bf16
             send/receive buffers, gathered matrices, local stacks, Newton–Schulz's
-            buffers; see ``workspace.py``): batches are admitted into flight only while
+            buffers; see ``planning/workspace.py``): batches are admitted into flight only while
             their estimated bytes fit, and local stacks are cut to fit. A single batch
             larger than the budget runs alone. Default 512 MiB.
         offload: ``"state"`` keeps ``momentum``/``variance`` in host memory (pinned when the
             parameters are on an accelerator) and streams each chunk's state to the device
-            just before the chunk needs it and back right after (see ``offload.py``);
+            just before the chunk needs it and back right after (see ``runtime/offload.py``);
             ``None`` (default) keeps the state with the parameters. The update is the same,
             bit for bit.
         offload_prefetch: with offload, how many chunks' state may be on the device at once
@@ -324,7 +324,7 @@ class Muon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step over all chunks, pipelined (see ``pipeline.py``).
+        """One optimizer step over all chunks, pipelined (see ``runtime/pipeline.py``).
 
         If it raises before the step counters advance (every input check), nothing has
         changed. If it raises after (out of memory in Newton–Schulz, a failed collective),
@@ -452,7 +452,7 @@ class Muon(Optimizer):
         self.last_step_stats = StepStats()
 
     def _check_agreement(self) -> None:
-        """Every group's ranks agree on batches, settings and grads (see ``agreement.py``)."""
+        """Every group's ranks agree on batches, settings and grads (see ``runtime/agreement.py``)."""
         plan = self._plan
         settings = self._settings(AGREED_SETTINGS)
         settings["coefficients"] = tuple(map(tuple, self.coefficients))

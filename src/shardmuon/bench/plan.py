@@ -11,7 +11,7 @@ communicating. Nothing is stepped. From the batches of ``opt.chunks()``, per ran
 
 * **all-to-all bytes sent per step**: ``BatchExchange.minimum_bytes()`` of every exchanged
   batch: each non-owner piece to its owner and back once, in bf16. A real step sends exactly
-  this (``last_step_stats.bytes_sent``; ``tests/test_bench_plan.py`` compares the two on gloo);
+  this (``last_step_stats.bytes_sent``; ``tests/bench/test_bench_plan.py`` compares the two on gloo);
 * **Newton–Schulz FLOPs**: ``newton_schulz_cost(rows, cols, partitions)`` times the number
   of iterations, for each matrix the rank owns and each matrix of its local batches;
 * **workspace peak**: ``shardmuon.planning.workspace.workspace_peak_bytes`` of the rank's batches

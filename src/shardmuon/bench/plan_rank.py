@@ -168,7 +168,7 @@ def _exchange(batch: MuonBatch, owners: tuple[int, ...] | None = None) -> BatchE
 
 def rank_figures(batches: list[MuonBatch], plan: RankPlan) -> RankFigures:
     """What a rank with ``batches`` does, under ``plan``'s settings: bytes sent, Newton–Schulz
-    FLOPs, matrices orthogonalized and the estimated workspace peak (``workspace.py``)."""
+    FLOPs, matrices orthogonalized and the estimated workspace peak (``planning/workspace.py``)."""
     iterations = plan.iterations
     sent = flops = matrices = 0
     for batch in batches:

@@ -1,7 +1,7 @@
 """From param groups to the fixed plan a ``Muon`` steps through (computed once).
 
-For every Muon parameter: its layout (``layout.matrix_layout``), its checked partitions and
-the lr scale of each local row range; then the batches (``layout.plan_batches``) and one
+For every Muon parameter: its layout (``placements.matrix_layout``), its checked partitions and
+the lr scale of each local row range; then the batches (``batches.plan_batches``) and one
 chunk per AdamW group.
 """
 
@@ -116,7 +116,7 @@ def build_plan(
 ) -> Plan:
     """Read every Muon parameter's layout and partitions and cut the batches (once).
 
-    Local stacks are cut so that one batch fits ``workspace_bytes`` (see ``workspace.py``).
+    Local stacks are cut so that one batch fits ``workspace_bytes`` (see ``planning/workspace.py``).
     """
     muon_params: list[tuple[int, Tensor]] = []
     positions: list[int] = []

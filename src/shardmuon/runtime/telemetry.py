@@ -42,7 +42,7 @@ class StepStats:
     ``ns_calls``: the input shape ``(batch, rows, cols)`` of every Newton–Schulz call this
     rank made, in order (partition blocks and one-matrix calls as they ran), so a benchmark
     can time exactly the same calls; ``workspace_peak_bytes``: the estimated peak of the
-    step's transient buffers on this rank (``workspace.py``), what ``workspace_bytes`` caps;
+    step's transient buffers on this rank (``planning/workspace.py``), what ``workspace_bytes`` caps;
     ``offload_*`` (``offload="state"``): optimizer state copied host -> device and back,
     and the most state bytes on the device at once; ``nonfinite_matrices``: matrices whose
     update was skipped because their direction held inf or NaN.

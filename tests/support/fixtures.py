@@ -17,7 +17,7 @@ import torch
 
 import shardmuon
 
-FIXTURE_DIR = Path(__file__).parent / "fixtures" / "dion"
+FIXTURE_DIR = Path(__file__).parent.parent / "fixtures" / "dion"
 
 # bf16 noise floor from the README ("grads x 1.001" row, case A, steps 1-4): how far the Muon
 # update of dion itself moves when only its bf16 rounding changes.

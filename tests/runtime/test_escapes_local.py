@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from checks import set_random_grads
 from torch import nn
 
 from shardmuon import Muon
@@ -30,10 +31,7 @@ def _params(seed: int = 0, shapes=SHAPES) -> list[nn.Parameter]:
     return [nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
 
 
-def _grads(params, seed: int, scale: float = 1.0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g) * scale
+_grads = set_random_grads
 
 
 # ------------------------------------------------------------------ load pre-hooks (class 6)

@@ -32,6 +32,4 @@ def worlds(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "name"), WORLD_CASES, ids=[f"{w}-{n}" for w, n in WORLD_CASES])
 def test_distributed(worlds, world, name) -> None:
-    failures = worlds[world].failures(name)
-    if failures:
-        pytest.fail("\n\n".join(failures), pytrace=False)
+    worlds[world].check(name)

@@ -200,6 +200,15 @@ class World:
         lines = path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-LOG_TAIL_LINES:])
 
+    def check(self, *cases: str) -> None:
+        """Fail the calling test (``pytest.fail``, no traceback) with every rank's message
+        for each of ``cases`` that failed or left no result."""
+        import pytest
+
+        failures = [message for case in cases for message in self.failures(case)]
+        if failures:
+            pytest.fail("\n\n".join(failures), pytrace=False)
+
     def failures(self, case: str) -> list[str]:
         """Messages for every rank where ``case`` failed or left no result; empty if it passed."""
         results = self.wait()[case]

@@ -13,6 +13,7 @@ import importlib
 import dist_workspace_cases
 import pytest
 import torch
+from checks import set_random_grads
 from dist_harness import worlds_running
 
 from shardmuon import Muon
@@ -37,9 +38,7 @@ def _params(seed: int = 0) -> list[torch.nn.Parameter]:
 
 
 def _set_grads(params, step: int) -> None:
-    g = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g)
+    set_random_grads(params, 100 + step)
 
 
 def _optimizer(params, budget: int, max_in_flight: int = 3) -> Muon:
@@ -276,9 +275,7 @@ def worlds(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(dist_workspace_cases.CASES))
 def test_distributed(worlds, name) -> None:
-    failures = worlds[2].failures(name)
-    if failures:
-        pytest.fail("\n\n".join(failures), pytrace=False)
+    worlds[2].check(name)
 
 
 # ------------------------------------------------------------------ AdamW runs

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from checks import set_random_grads
 
 from shardmuon import Muon, newton_schulz_reference
 
@@ -24,10 +25,7 @@ def _groups(ps: list[torch.nn.Parameter]) -> list[dict]:
     ]
 
 
-def _set_grads(ps: list[torch.nn.Parameter], seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for p in ps:
-        p.grad = torch.randn(p.shape, generator=gen)
+_set_grads = set_random_grads
 
 
 BAD_CONSTRUCTOR = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dist_offload_cases
 import pytest
 import torch
+from checks import assert_same_optimizers, set_random_grads
 from dist_harness import worlds_running
 
 import shardmuon.runtime.phases as phases_module
@@ -27,9 +28,7 @@ def _params(seed: int = 0) -> list[torch.nn.Parameter]:
 
 
 def _set_grads(params, step: int) -> None:
-    g = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    set_random_grads(params, 100 + step)
 
 
 def _optimizer(params, **kwargs) -> Muon:
@@ -59,14 +58,7 @@ def _run(chunked: bool, steps: int = STEPS, **kwargs):
 
 
 def _assert_same(a_params, a_opt, b_params, b_opt) -> None:
-    for x, y in zip(a_params, b_params):
-        assert torch.equal(x, y)
-    sa, sb = a_opt.state_dict(), b_opt.state_dict()
-    assert sa["state"].keys() == sb["state"].keys()
-    for key, entry in sa["state"].items():
-        for name, value in entry.items():
-            assert torch.equal(value, sb["state"][key][name]), (key, name)
-    assert [g["step"] for g in sa["param_groups"]] == [g["step"] for g in sb["param_groups"]]
+    assert_same_optimizers(a_opt, a_params, b_opt, b_params)
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["step", "step_chunk"])
@@ -208,6 +200,4 @@ def world(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(dist_offload_cases.CASES))
 def test_distributed(world, name) -> None:
-    failures = world.failures(name)
-    if failures:
-        pytest.fail("\n\n".join(failures), pytrace=False)
+    world.check(name)

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from checks import assert_bitwise, assert_same_optimizers, state_tensor_keys
 from copies import COPY_METHODS
 from torch import Tensor, nn
 
@@ -64,22 +65,8 @@ def _clones(params: list[Tensor]) -> list[nn.Parameter]:
     return [nn.Parameter(p.detach().clone()) for p in params]
 
 
-def _assert_bitwise(a: Tensor, b: Tensor, what: str = "") -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape, what
-    assert torch.equal(a, b), f"{what}: max diff {(a.double() - b.double()).abs().max().item()}"
-
-
-def _state_keys(opt: Muon, p: Tensor) -> list[str]:
-    return sorted(k for k, v in opt.state[p].items() if isinstance(v, Tensor))
-
-
-def _assert_same(opt_a: Muon, params_a: list[Tensor], opt_b: Muon, params_b: list[Tensor]) -> None:
-    """Params and every state tensor bitwise equal."""
-    for i, (pa, pb) in enumerate(zip(params_a, params_b)):
-        _assert_bitwise(pa.detach(), pb.detach(), f"param {i}")
-        assert _state_keys(opt_a, pa) == _state_keys(opt_b, pb), f"param {i}"
-        for key in _state_keys(opt_a, pa):
-            _assert_bitwise(opt_a.state[pa][key], opt_b.state[pb][key], f"param {i} {key}")
+_assert_bitwise = assert_bitwise
+_state_keys = state_tensor_keys
 
 
 def _differs(params_a: list[Tensor], params_b: list[Tensor]) -> bool:
@@ -214,7 +201,7 @@ def test_changed_group_setting_takes_effect(
         _step(opt, params, s)
         _step(ref, ref_params, s)
         _step(old, old_params, s)
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
     assert _differs(params, old_params), "the new value must change the update"
 
 
@@ -232,7 +219,7 @@ def test_update_rms_edit_takes_effect() -> None:
         _step(opt, params, s)
         _step(ref, ref_params, s)
         _step(old, old_params, s)
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
     assert _differs(params, old_params)
 
 
@@ -303,7 +290,7 @@ def test_dion_call_sites_are_accepted(args: tuple, kwargs: dict, same_as: dict) 
     for s in range(2):
         _step(opt, params, s)
         _step(ref, ref_params, s)
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
 
 
 @pytest.mark.parametrize(
@@ -346,7 +333,7 @@ def test_default_adjust_lr_is_spectral_norm() -> None:
         for s in range(2):
             _step(opt, params, s)
         runs[name] = (opt, params)
-    _assert_same(*runs["default"], *runs["spectral"])
+    assert_same_optimizers(*runs["default"], *runs["spectral"])
     assert _differs(runs["default"][1], runs["rms"][1])
 
 
@@ -425,8 +412,8 @@ def test_num_heads_one_is_a_no_op() -> None:
         for s in range(2):
             _step(opt, [fused], s)
         runs.append((opt, [fused]))
-    _assert_same(*runs[0], *runs[2])
-    _assert_same(*runs[1], *runs[2])
+    assert_same_optimizers(*runs[0], *runs[2])
+    assert_same_optimizers(*runs[1], *runs[2])
 
 
 @pytest.mark.parametrize("steps_before", [0, 1])
@@ -448,7 +435,7 @@ def test_loaded_split_sizes_are_applied(steps_before: int) -> None:
         _step(opt, [fused], s)
         _step(ref, ref_fused, s)
         _step(old, old_fused, s)
-    _assert_same(opt, [fused], ref, ref_fused)
+    assert_same_optimizers(opt, [fused], ref, ref_fused)
     assert _differs([fused], old_fused)
 
 
@@ -554,7 +541,7 @@ def test_cautious_wd_is_refused_at_construction_and_on_load() -> None:
     ref = Muon([dict(params=ref_params)])
     _step(opt, params, 0)
     _step(ref, ref_params, 0)
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
     before = copy.deepcopy(opt.state_dict())
     sd = copy.deepcopy(before)
     sd["param_groups"][0]["cautious_wd"] = True
@@ -614,7 +601,7 @@ def test_strided_params_update_like_contiguous_copies(make: Callable, flatten: b
         other.grad, other_ref.grad = g_other.clone(), g_other.clone()
         opt.step()
         ref.step()
-    _assert_same(opt, [strided, other], ref, [contiguous, other_ref])
+    assert_same_optimizers(opt, [strided, other], ref, [contiguous, other_ref])
     assert not torch.equal(strided.detach(), data), "the update was lost"
     assert torch.count_nonzero(opt.state[strided]["momentum"]) > 0, "the momentum was lost"
     assert strided.stride() == data.stride()
@@ -696,7 +683,7 @@ def test_sparse_grads_are_refused_before_anything_changes(
     # Dense grads again: the optimizer steps like one that never saw the sparse grad.
     _step(opt, params, 2)
     _step(ref, ref_params, 2)
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
 
 
 BAD_SETTINGS = [
@@ -748,7 +735,7 @@ def test_bad_setting_edited_into_a_group_raises_at_step(
     opt.param_groups[index][key] = good
     _step(opt, params, 1)
     _step(ref, ref_params, 1)
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
 
 
 @pytest.mark.parametrize("where", ["constructor", "group"])
@@ -765,7 +752,7 @@ def test_one_element_tensor_lr_works_like_the_float(where: str) -> None:
     for s in range(2):
         _step(opt, params, s)
         _step(ref, ref_params, s)
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
 
 
 @pytest.mark.parametrize("adjust_lr", ["spectral_norm", "keller_muon", "rms_norm", None])
@@ -785,7 +772,7 @@ def test_zero_size_matrices_step(adjust_lr: str | None) -> None:
     for s in range(2):
         _step(opt, normal + empty, s)
         _step(ref, ref_normal, s)
-    _assert_same(opt, normal, ref, ref_normal)
+    assert_same_optimizers(opt, normal, ref, ref_normal)
     for p, shape in zip(empty, empty_shapes):
         assert p.shape == shape and opt.state[p]["momentum"].shape == shape
     assert not torch.equal(normal[0].detach(), _param((16, 8), 0).detach()), "not updated"
@@ -819,7 +806,7 @@ def test_parameter_in_two_groups_is_refused() -> None:
     assert len(opt.param_groups) == 2
     _step(opt, params, 0)
     _step(ref, ref_params, 0)
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
 
 
 # --------------------------------------------------------- 5. load_state_dict is atomic
@@ -1051,7 +1038,7 @@ def test_bad_state_dict_changes_nothing(defect: Callable, error: type, pattern: 
     for s in (1, 2):
         _step(opt, params, s)
         _step(ref, ref_params, s)
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
     assert [g["step"] for g in opt.param_groups] == [3, 3]
 
 
@@ -1064,11 +1051,11 @@ def test_good_state_dict_round_trip() -> None:
     other_params = [nn.Parameter(p.detach().clone()) for p in params]
     other = _five(other_params)
     other.load_state_dict(sd)
-    _assert_same(opt, params, other, other_params)
+    assert_same_optimizers(opt, params, other, other_params)
     for s in (1, 2):
         _step(opt, params, s)
         _step(other, other_params, s)
-    _assert_same(opt, params, other, other_params)
+    assert_same_optimizers(opt, params, other, other_params)
 
 
 def test_non_dict_state_entry_survives_round_trip() -> None:
@@ -1089,8 +1076,8 @@ def test_non_dict_state_entry_survives_round_trip() -> None:
         _step(opt, params, s)
         _step(ref, ref_params, s)
         _step(other, copy_params, s)
-    _assert_same(opt, params, ref, ref_params)
-    _assert_same(other, copy_params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
+    assert_same_optimizers(other, copy_params, ref, ref_params)
     assert opt.state["flag"] is True and opt.state_dict()["state"]["flag"] is True
 
 
@@ -1117,11 +1104,11 @@ def test_missing_state_entries_are_created_as_zeros() -> None:
         assert value.shape == params[i].shape and value.dtype == params[i].dtype
         assert torch.count_nonzero(value) == 0
     assert torch.count_nonzero(opt.state[params[1]]["momentum"]) > 0
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
     for s in (1, 2):
         _step(opt, params, s)
         _step(ref, ref_params, s)
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
 
 
 # -------------------------------------------------------------------- 6. failed steps
@@ -1256,11 +1243,11 @@ def test_failed_chunk_resumes_without_stepping_twice(
 
     _set_grads(ref_params, _grads(SIX_SHAPES, 1))
     ref.step()
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
     assert [g["step"] for g in opt.param_groups] == [g["step"] for g in ref.param_groups]
     _step(opt, params, 2)
     _step(ref, ref_params, 2)
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
 
 
 def test_open_round_refuses_step_add_group_and_load() -> None:
@@ -1291,7 +1278,7 @@ def test_open_round_refuses_step_add_group_and_load() -> None:
     opt.step_chunk(chunks[2])
     _set_grads(ref_params, _grads(SIX_SHAPES, 1))
     ref.step()
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
 
 
 def test_planned_setting_edited_during_an_open_round_raises() -> None:
@@ -1307,7 +1294,7 @@ def test_planned_setting_edited_during_an_open_round_raises() -> None:
     opt.step_chunk(chunks[1])
     opt.step_chunk(chunks[2])
     _step(ref, ref_params, 0)
-    _assert_same(opt, params, ref, ref_params)
+    assert_same_optimizers(opt, params, ref, ref_params)
 
 
 # ------------------------------------------------------------------------------ 7. copies
@@ -1355,7 +1342,7 @@ def test_copied_optimizer_steps_like_the_original(duplicate: Callable) -> None:
     assert next(iter(copied._raw_partitions)) is copy_params[1]
     assert all(p in copied.state for p in copy_params)
     assert copied.param_groups[0]["params"][0] is copy_params[0]
-    _assert_same(opt, params, copied, copy_params)
+    assert_same_optimizers(opt, params, copied, copy_params)
     # Controls from the same point: each setting that changes bits, left at its default.
     controls = []
     for overrides, partitions in (
@@ -1373,7 +1360,7 @@ def test_copied_optimizer_steps_like_the_original(duplicate: Callable) -> None:
         _step(copied, copy_params, s)
         for control, control_params in controls:
             _step(control, control_params, s)
-    _assert_same(opt, params, copied, copy_params)
+    assert_same_optimizers(opt, params, copied, copy_params)
     for _, control_params in controls:
         assert _differs(params, control_params)
     # The copy is independent: stepping it does not move the original.
