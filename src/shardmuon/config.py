@@ -5,24 +5,24 @@ the config it mirrors (prime-rl's ``optim.*`` section) is pydantic and arrives a
 TOML/JSON/CLI values: pydantic turns ``"0.02"`` or ``[0.9, 0.95]`` into the right types,
 ``extra="forbid"`` turns a misspelt key (``momentum`` for ``mu``) into an error instead of a
 silently ignored setting, and ``model_dump()``/``model_json_schema()`` come for free. The
-package already depends on pydantic. Every range check is a validator that raises
-``ValueError`` naming the field, the value given and what is accepted; pydantic wraps it in
+package already depends on pydantic. The ranges are the constructor's own checks
+(:mod:`shardmuon.validation`, spelled once), run by validators that raise ``ValueError``
+naming the field, the value given and what is accepted; pydantic wraps it in
 ``pydantic.ValidationError``, which is itself a ``ValueError`` (so ``except ValueError``
 catches every bad config).
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from torch import nn
 
 from shardmuon.ops.newton_schulz import resolve_coefficients
-from shardmuon.ops.update import ADJUST_LR_CHOICES
 from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES
 from shardmuon.routing import build_param_groups
+from shardmuon.validation import check_adjust_lr, check_int, check_number
 
 if TYPE_CHECKING:
     from shardmuon.optimizer import Muon
@@ -32,17 +32,38 @@ __all__ = ["MuonConfig", "build_optimizer"]
 CoefficientSpec = str | list[tuple[float, float, float]] | None
 
 
-def _number(field_name: str, value: Any, accepted: str) -> float:
-    """``value`` as a float, or ValueError; bools are refused (``lr=True`` is a typo)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{field_name} must be {accepted}, got {value!r}")
+def _number(field_name: str, value: Any) -> Any:
+    """A TOML/CLI value (``"0.02"``) as a float; anything else is left to the range check,
+    which names what is accepted (bools are refused there: ``lr=True`` is a typo)."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _checked_number(name: str, value: Any, upper: float | None, positive: bool) -> float:
     try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{field_name} must be {accepted}, got {value!r}") from None
-    if not math.isfinite(number):
-        raise ValueError(f"{field_name} must be {accepted}, got {value!r}")
-    return number
+        check_number(name, value, upper, positive=positive)
+    except TypeError as err:  # pydantic reports ValueErrors against the field
+        raise ValueError(str(err)) from None
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+# The constructor's ranges (validation.check_number): (upper bound, > 0 rather than >= 0).
+NUMBER_RANGES = {
+    "lr": (None, False),
+    "weight_decay": (None, False),
+    "epsilon": (None, True),
+    "mu": (1.0, False),
+    "update_rms": (None, True),
+}
+INT_ACCEPTED = {
+    "max_in_flight": "an int >= 1",
+    "offload_prefetch": "an int >= 1",
+    "workspace_bytes": "an int > 0 (bytes)",
+}
 
 
 class MuonConfig(BaseModel):
@@ -81,53 +102,33 @@ class MuonConfig(BaseModel):
     newton_schulz_impl: Literal["folded", "per-matrix", "unfolded", "compiled"] = "folded"
     warmup: bool = False
 
-    @field_validator("lr", "weight_decay", "epsilon", mode="before")
+    @field_validator("lr", "weight_decay", "epsilon", "mu", "update_rms", mode="before")
     @classmethod
-    def _non_negative(cls, value: Any, info: ValidationInfo) -> float:
-        accepted = "a finite number >= 0"
-        number = _number(info.field_name, value, accepted)
-        if number < 0:
-            raise ValueError(f"{info.field_name} must be {accepted}, got {value!r}")
-        return number
-
-    @field_validator("mu", mode="before")
-    @classmethod
-    def _momentum(cls, value: Any) -> float:
-        accepted = "a number in [0, 1)"
-        number = _number("mu", value, accepted)
-        if not 0.0 <= number < 1.0:
-            raise ValueError(f"mu must be {accepted}, got {value!r}")
-        return number
+    def _numbers(cls, value: Any, info: ValidationInfo) -> float:
+        name = info.field_name
+        upper, positive = NUMBER_RANGES[name]
+        return _checked_number(name, _number(name, value), upper, positive)
 
     @field_validator("betas", mode="before")
     @classmethod
     def _betas(cls, value: Any) -> tuple[float, float]:
-        accepted = "a pair (beta1, beta2) of numbers in [0, 1)"
         if (
             isinstance(value, (str, bytes))
             or not isinstance(value, (list, tuple))
-            or (len(value) != 2)
+            or len(value) != 2
         ):
-            raise ValueError(f"betas must be {accepted}, got {value!r}")
-        pair = tuple(_number("betas", beta, accepted) for beta in value)
-        if not all(0.0 <= beta < 1.0 for beta in pair):
-            raise ValueError(f"betas must be {accepted}, got {value!r}")
-        return pair
-
-    @field_validator("update_rms", mode="before")
-    @classmethod
-    def _update_rms(cls, value: Any) -> float:
-        accepted = "a finite number > 0"
-        number = _number("update_rms", value, accepted)
-        if number <= 0:
-            raise ValueError(f"update_rms must be {accepted}, got {value!r}")
-        return number
+            raise ValueError(
+                f"betas must be a pair (beta1, beta2) of numbers in [0, 1), got {value!r}"
+            )
+        return tuple(
+            _checked_number(f"betas[{i}]", _number(f"betas[{i}]", beta), 1.0, False)
+            for i, beta in enumerate(value)
+        )
 
     @field_validator("adjust_lr", mode="before")
     @classmethod
     def _adjust_lr(cls, value: Any) -> Any:
-        if value not in ADJUST_LR_CHOICES:
-            raise ValueError(f"adjust_lr must be one of {ADJUST_LR_CHOICES!r}, got {value!r}")
+        check_adjust_lr("", value)
         return value
 
     @field_validator("newton_schulz_coefficients", mode="before")
@@ -143,25 +144,13 @@ class MuonConfig(BaseModel):
             return value
         return [tuple(t) for t in triples]
 
-    @field_validator("max_in_flight", mode="before")
+    @field_validator("max_in_flight", "offload_prefetch", "workspace_bytes", mode="before")
     @classmethod
-    def _max_in_flight(cls, value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"max_in_flight must be an int >= 1, got {value!r}")
-        return value
-
-    @field_validator("offload_prefetch", mode="before")
-    @classmethod
-    def _offload_prefetch(cls, value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"offload_prefetch must be an int >= 1, got {value!r}")
-        return value
-
-    @field_validator("workspace_bytes", mode="before")
-    @classmethod
-    def _workspace_bytes(cls, value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"workspace_bytes must be an int > 0 (bytes), got {value!r}")
+    def _counts(cls, value: Any, info: ValidationInfo) -> Any:
+        try:
+            check_int(info.field_name, value, 1, INT_ACCEPTED[info.field_name])
+        except TypeError as err:  # pydantic reports ValueErrors against the field
+            raise ValueError(str(err)) from None
         return value
 
     def muon_kwargs(self) -> dict[str, Any]:

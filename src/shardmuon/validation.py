@@ -29,6 +29,7 @@ __all__ = [
     "check_grads",
     "check_group",
     "check_group_settings",
+    "check_int",
     "check_mesh",
     "check_number",
     "check_optimizer_settings",
@@ -52,12 +53,12 @@ def check_number(
                 f"{tuple(value.shape)}"
             )
         value = value.item()
+    low = "> 0" if positive else ">= 0"
+    accepted = f"a number in [0, {upper:g})" if upper is not None else f"a finite number {low}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
+        raise TypeError(f"{name} must be {accepted}, got {value!r}")
     low_ok = value > 0.0 if positive else value >= 0.0
     if not low_ok or not math.isfinite(value) or (upper is not None and not value < upper):
-        low = "> 0" if positive else ">= 0"
-        accepted = f"in [0, {upper:g})" if upper is not None else f"a finite number {low}"
         raise ValueError(f"{name} must be {accepted}, got {value!r}")
 
 
@@ -204,7 +205,8 @@ AGREED_SETTINGS = tuple(name for name in OPTIMIZER_SETTINGS if not name.startswi
 CHECK_GRADS_CHOICES = ("first", "always", "never")
 
 
-def _check_int(name: str, value: Any, low: int, accepted: str) -> None:
+def check_int(name: str, value: Any, low: int, accepted: str) -> None:
+    """``value`` must be an int (not a bool) ``>= low``; ``accepted`` says so in the message."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be {accepted}, got {value!r}")
     if value < low:
@@ -226,12 +228,13 @@ def check_optimizer_settings(
         raise TypeError(f"update_rms must be a number, got {rms!r}")
     if not (rms > 0 and math.isfinite(rms)):
         raise ValueError(f"update_rms must be a finite number > 0, got {rms!r}")
-    _check_int("max_in_flight", settings["max_in_flight"], 1, "an int >= 1")
-    _check_int("workspace_bytes", settings["workspace_bytes"], 1, "an int > 0 (bytes)")
+    check_int("max_in_flight", settings["max_in_flight"], 1, "an int >= 1")
+    check_int("workspace_bytes", settings["workspace_bytes"], 1, "an int > 0 (bytes)")
     _check_choice("offload", settings["offload"], offload_choices)
     prefetch = settings["offload_prefetch"]
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int):  # a ValueError, as before
         raise ValueError(f"offload_prefetch must be an int >= 1, got {prefetch!r}")
+    check_int("offload_prefetch", prefetch, 1, "an int >= 1")
     _check_choice("newton_schulz_impl", settings["newton_schulz_impl"], ns_impls)
     _check_choice("check_grads", settings["check_grads"], CHECK_GRADS_CHOICES)
     for name in ("rotate_owners", "split_replicas"):

@@ -695,14 +695,14 @@ BAD_SETTINGS = [
     ("epsilon", 0.0, ValueError, r"epsilon must be a finite number > 0, got 0\.0"),
     ("epsilon", -1.0, ValueError, r"epsilon must be a finite number > 0, got -1\.0"),
     ("epsilon", math.inf, ValueError, r"epsilon must be a finite number > 0, got inf"),
-    ("mu", 1.0, ValueError, r"mu must be in \[0, 1\), got 1\.0"),
+    ("mu", 1.0, ValueError, r"mu must be a number in \[0, 1\), got 1\.0"),
     (
         "lr",
         torch.tensor([0.1, 0.2]),
         ValueError,
         r"lr must be a number or a 1-element tensor, got a tensor of shape \(2,\)",
     ),
-    ("lr", None, TypeError, r"lr must be a number, got None"),
+    ("lr", None, TypeError, r"lr must be a finite number >= 0, got None"),
     ("adjust_lr", "max", ValueError, r"unknown adjust_lr 'max'"),
 ]
 
@@ -960,7 +960,7 @@ BAD_STATE_DICTS = [
         "mu",
         _set(("param_groups", 0, "mu"), 1.5),
         ValueError,
-        r"state dict: param group 0: mu must be in \[0, 1\), got 1\.5",
+        r"state dict: param group 0: mu must be a number in \[0, 1\), got 1\.5",
     ),
     (
         "epsilon",

@@ -31,13 +31,13 @@ _set_grads = set_random_grads
 BAD_CONSTRUCTOR = [
     # (keyword arguments, exception, message pattern)
     (dict(lr=-0.1), ValueError, r"lr must be a finite number >= 0, got -0\.1"),
-    (dict(mu=-0.5), ValueError, r"mu must be in \[0, 1\), got -0\.5"),
-    (dict(mu=1.5), ValueError, r"mu must be in \[0, 1\), got 1\.5"),
-    (dict(betas=(-0.1, 0.95)), ValueError, r"betas\[0\] must be in \[0, 1\), got -0\.1"),
-    (dict(betas=(0.9, 1.0)), ValueError, r"betas\[1\] must be in \[0, 1\), got 1\.0"),
+    (dict(mu=-0.5), ValueError, r"mu must be a number in \[0, 1\), got -0\.5"),
+    (dict(mu=1.5), ValueError, r"mu must be a number in \[0, 1\), got 1\.5"),
+    (dict(betas=(-0.1, 0.95)), ValueError, r"betas\[0\] must be a number in \[0, 1\), got -0\.1"),
+    (dict(betas=(0.9, 1.0)), ValueError, r"betas\[1\] must be a number in \[0, 1\), got 1\.0"),
     (dict(betas=(0.9,)), ValueError, r"betas must be a pair"),
     (dict(weight_decay=-1.0), ValueError, r"weight_decay must be a finite number >= 0, got -1\.0"),
-    (dict(lr="fast"), TypeError, r"lr must be a number, got 'fast'"),
+    (dict(lr="fast"), TypeError, r"lr must be a finite number >= 0, got 'fast'"),
     (dict(adjust_lr="max"), ValueError, r"unknown adjust_lr 'max'; accepted: 'rms_norm'"),
     (dict(update_rms=0.0), ValueError, r"update_rms must be a finite number > 0, got 0\.0"),
     (dict(max_in_flight=0), ValueError, r"max_in_flight must be an int >= 1, got 0"),
@@ -309,7 +309,7 @@ def test_an_edited_group_step_wins_over_the_counters() -> None:
         (torch.tensor([1.0, 2.0]), ValueError, r"state 'step' must be a number or a 1-element"),
         (torch.tensor(-1.0), ValueError, r"state 'step' must be a finite number >= 0, got -1\.0"),
         (torch.tensor(1.5), ValueError, r"state .step. must be a whole number >= 0, got 1\.5"),
-        ("3", TypeError, r"state 'step' must be a number, got '3'"),
+        ("3", TypeError, r"state 'step' must be a finite number >= 0, got '3'"),
     ],
 )
 def test_a_bad_step_counter_is_refused_on_load(counter, error, pattern) -> None:
