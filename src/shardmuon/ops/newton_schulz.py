@@ -35,6 +35,7 @@ __all__ = [
     "newton_schulz_per_matrix",
     "newton_schulz_reference",
     "newton_schulz_unfolded",
+    "normalized",
     "resolve_coefficients",
     "with_input_scaled",
 ]
@@ -185,8 +186,10 @@ def frobenius_norm_fp32(X: Tensor) -> Tensor:
     return norm.div_(scale)
 
 
-def _normalized_bf16(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
-    """``X / (||X||_F + eps)`` per matrix of ``X[B, m, n]``, computed in fp32, rounded to bf16.
+def normalized(
+    X: Tensor, eps: float, dtype: torch.dtype = torch.bfloat16, out: Tensor | None = None
+) -> Tensor:
+    """``X / (||X||_F + eps)`` per matrix of ``X[B, m, n]``, computed in fp32, in ``dtype``.
 
     The norm is reduced in fp32 (bitwise what ``vector_norm(X.float())`` gives); the
     division is element-wise, so doing it in slices of at most
@@ -202,7 +205,7 @@ def _normalized_bf16(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor
     # spread as NaN over the whole matrix; the pipeline counts these).
     nonfinite = ~torch.isfinite(denom)
     if out is None:
-        out = torch.empty(X.shape, dtype=torch.bfloat16, device=X.device)
+        out = torch.empty(X.shape, dtype=dtype, device=X.device)
     batch, rows, cols = X.shape
 
     def divide_into(target: Tensor, source: Tensor, divisor: Tensor) -> None:
@@ -229,8 +232,10 @@ def newton_schulz(
     eps: float = 1e-8,
     *,
     overwrite_input: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
-    """Orthogonalize each matrix of ``G[..., m, n]`` in bfloat16; returns bf16 ``[..., m, n]``.
+    """Orthogonalize each matrix of ``G[..., m, n]`` in bfloat16 (or ``dtype``: fp16,
+    fp32); returns ``[..., m, n]`` in that dtype.
 
     ``X = G / (||G||_F + eps)`` (norm in float32, per matrix), then for each ``(a, b, c)``:
     ``A = X X^T``; ``B = b A + c A A``; ``X = a X + B X``, the last two each a single
@@ -250,13 +255,11 @@ def newton_schulz(
     _check_matrix(G)
     coeffs = resolve_coefficients(coefficients)
     if G.numel() == 0:
-        return G.to(torch.bfloat16)
+        return G.to(dtype)
     X, transposed = _as_wide(G)
     X, shape = _as_batch3d(X)
-    in_place = (
-        overwrite_input and X.dtype == torch.bfloat16 and X.is_contiguous() and not transposed
-    )
-    X = _normalized_bf16(X, eps, out=X if in_place else None)
+    in_place = overwrite_input and X.dtype == dtype and X.is_contiguous() and not transposed
+    X = normalized(X, eps, dtype, out=X if in_place else None)
     # One matrix goes through the 2-D kernels: on an AVX2 CPU, bf16 bmm with a batch of 1
     # can be several times slower than mm. Neither gives the bits of a larger batch for
     # every matrix (newton_schulz_per_matrix has batch-independent bits).

@@ -1,0 +1,134 @@
+"""Gram Newton–Schulz: the same polynomial iteration, run on the small Gram matrix.
+
+For ``X`` of shape ``[m, n]`` with ``m < n``, every step of the quintic iteration is
+``X <- p(R) X`` with ``R = X X^T`` (``m x m``) and ``p(R) = a I + b R + c R^2``. Writing
+``X_k = Q_k X_0``, the steps only ever multiply ``m x m`` matrices::
+
+    P = a I + b R + c R^2          (one GEMM, R R, with the scale-and-add folded in)
+    Q <- P Q                       (skipped while Q = I: Q <- P)
+    R <- P (P R)                   (P and R commute: X_{k+1} X_{k+1}^T = P^2 R)
+
+and ``X = Q X_0`` once at the end. The ``m x n`` products fall from two per step to two in
+all, so the FLOPs fall with the aspect ratio ``n / m``; square matrices gain nothing and go
+through the standard iteration. ``Q`` accumulates rounding error step after step (it is
+never renormalised), which is what makes Gram diverge on ill-conditioned or low-rank
+inputs; a *restart* after step ``k`` computes ``X_k = Q X_0`` and ``R = X_k X_k^T`` afresh
+and resets ``Q = I``, flushing the drift for two ``m x n`` GEMMs. ``R`` is not updated after
+the last step, nor before a restart (it is recomputed).
+
+The normalisation is the standard iteration's (fp32, overflow-safe, non-finite matrices
+zeroed); ``dtype`` is the iteration's (bf16, fp16 or fp32; GEMMs accumulate in fp32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from shardmuon.ops.newton_schulz import (
+    _as_batch3d,
+    _as_wide,
+    _check_matrix,
+    newton_schulz,
+    normalized,
+    resolve_coefficients,
+)
+
+__all__ = ["default_restarts", "gram_flops", "newton_schulz_gram", "standard_flops"]
+
+# The steps after which Gram restarts by default: after step 2, then every 3 steps
+# (dion's 5 steps: (2,); DeepSeek-V4's 10: (2, 5, 8)), whatever the dtype. Chosen by
+# ``python scripts/gram_error.py`` (docs/benchmarks.md, "Gram Newton–Schulz"): without
+# restarts bf16 diverges on log-spaced and low-rank inputs (10^2-10^3 x the error); one
+# restart after step 2 brings dion's schedule to 0.9-2.2x the standard bf16 iteration's
+# error for 0.67x its FLOPs at aspect 4 (a second one, after step 4, gains under 10% for
+# 0.78x); a 10-step schedule needs one every 3 steps in fp16, and diverges in bf16 anyway
+# (the guard recomputes those matrices).
+FIRST_RESTART, RESTART_EVERY = 2, 3
+
+
+def default_restarts(steps: int) -> tuple[int, ...]:
+    """The default restart steps for a schedule of ``steps`` iterations."""
+    return tuple(range(FIRST_RESTART, steps, RESTART_EVERY))
+
+
+def newton_schulz_gram(
+    G: Tensor,
+    coefficients: str | Sequence[Sequence[float]] | None = None,
+    eps: float = 1e-8,
+    *,
+    restarts: Sequence[int] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """Orthogonalize each matrix of ``G[..., m, n]`` by the Gram iteration; ``dtype`` out.
+
+    ``restarts``: the steps (1-based) after which to restart; ``None``: the default
+    (:func:`default_restarts`), ``()``: none. Square matrices run the standard
+    iteration in ``dtype``. Tall matrices are transposed so that the Gram side is the short
+    one.
+    """
+    _check_matrix(G)
+    coeffs = resolve_coefficients(coefficients)
+    if restarts is None:
+        restarts = default_restarts(len(coeffs))
+    restarts = frozenset(int(k) for k in restarts)
+    if G.numel() == 0:
+        return G.to(dtype)
+    X, transposed = _as_wide(G)
+    X, shape = _as_batch3d(X)
+    m, n = X.shape[-2:]
+    if m == n:
+        out = newton_schulz(G, coeffs, eps, dtype=dtype)
+        return out
+    base = normalized(X, eps, dtype)
+    R = torch.bmm(base, base.mT)
+    Q: Tensor | None = None  # None: the identity
+    steps = len(coeffs)
+    for k, (a, b, c) in enumerate(coeffs, start=1):
+        P = torch.baddbmm(R, R, R, beta=b, alpha=c)
+        P.diagonal(dim1=-2, dim2=-1).add_(a)
+        Q = P if Q is None else torch.bmm(P, Q)
+        if k == steps:
+            break
+        if k in restarts:
+            base = torch.bmm(Q, base)
+            R = torch.bmm(base, base.mT)
+            Q = None
+        else:
+            R = torch.bmm(P, torch.bmm(P, R))
+    X = base if Q is None else torch.bmm(Q, base)
+    X = X.reshape(shape)
+    return X.mT if transposed else X
+
+
+def standard_flops(m: int, n: int, steps: int) -> int:
+    """FLOPs of the standard iteration on one ``[m, n]`` matrix (``m <= n``), counted from
+    the GEMMs it runs: per step ``X X^T``, ``R R`` and ``B X``."""
+    m, n = min(m, n), max(m, n)
+    return steps * (2 * m * m * n + 2 * m * m * m + 2 * m * m * n)
+
+
+def gram_flops(m: int, n: int, steps: int, restarts: Sequence[int] = ()) -> int:
+    """FLOPs of :func:`newton_schulz_gram` on one ``[m, n]`` matrix, counted from the GEMMs
+    it runs (restarts included; square matrices run the standard iteration)."""
+    m, n = min(m, n), max(m, n)
+    if m == n:
+        return standard_flops(m, n, steps)
+    rect, square = 2 * m * m * n, 2 * m * m * m
+    flops = rect  # R = X X^T
+    identity = True
+    for k in range(1, steps + 1):
+        flops += square  # R R
+        if not identity:
+            flops += square  # P Q
+        identity = False
+        if k == steps:
+            break
+        if k in restarts:
+            flops += 2 * rect  # X = Q X_0, R = X X^T
+            identity = True
+        else:
+            flops += 2 * square  # P (P R)
+    return flops + (0 if identity else rect)  # X = Q X_0
