@@ -2,17 +2,20 @@
 aspect ratio, iteration dtype and restart schedule: the table that chose the Gram restart
 defaults (``shardmuon.ops.gram_newton_schulz.DEFAULT_RESTARTS``).
 
-    python scripts/gram_error.py [--rows 64] [--seeds 3] [--coefficients dion]
+    python scripts/gram_error.py [--rows 64] [--seeds 3] [--coefficients dion] [--time]
 
 Error: ``||O - O_64|| / ||O_64||`` (Frobenius), O_64 the fp64 iteration with the same
 coefficients on the same input; the worst over the seeds. Inputs (m x n, m = ``--rows``):
 ``gaussian`` (standard normal), ``logspaced`` (singular values log-spaced over 1e-4..1),
-``lowrank`` (rank m/8 plus 1e-3 noise).
+``lowrank`` (rank m/8 plus 1e-3 noise). ``--time`` adds the median time of a call of
+each iteration on CPU-sized MoE and attention shapes (bf16, this process's threads).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
@@ -52,6 +55,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--coefficients", default="dion")
+    parser.add_argument("--time", action="store_true", help="also time both iterations")
     args = parser.parse_args()
     coeffs = resolve_coefficients(args.coefficients)
     m = args.rows
@@ -89,6 +93,32 @@ def main() -> None:
         std = standard_flops(2048, n, steps)
         ratios = [gram_flops(2048, n, steps, r) / std for r in SCHEDULES]
         print(f"| {aspect:g} | {std / 1e9:.1f} | " + " | ".join(f"{x:.3f}" for x in ratios) + " |")
+    if args.time:
+        print_times(coeffs)
+
+
+TIMED_SHAPES = ((8, 256, 704), (8, 512, 1408), (16, 128, 512), (4, 512, 512))
+
+
+def print_times(coeffs) -> None:
+    print()
+    print("| shape | standard bf16 ms | gram bf16 ms | gram / standard | FLOPs gram / standard |")
+    print("|---|---|---|---|---|")
+    for shape in TIMED_SHAPES:
+        G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        times = {}
+        for name, fn in (("std", newton_schulz), ("gram", newton_schulz_gram)):
+            fn(G, coeffs)  # warm-up
+            runs = []
+            for _ in range(5):
+                start = time.perf_counter()
+                fn(G, coeffs)
+                runs.append(time.perf_counter() - start)
+            times[name] = statistics.median(runs) * 1e3
+        m, n = sorted(shape[-2:])
+        flops = gram_flops(m, n, len(coeffs), (2,)) / standard_flops(m, n, len(coeffs))
+        print(f"| {shape} | {times['std']:.2f} | {times['gram']:.2f} | "
+              f"{times['gram'] / times['std']:.2f} | {flops:.3f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,10 +18,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from shardmuon.ops.newton_schulz import (
-    NS_IMPLEMENTATIONS,
-    resolve_coefficients,
-)
+from shardmuon.ops.newton_schulz import resolve_coefficients
+from shardmuon.ops.ns_engine import NS_IMPLEMENTATIONS, Orthogonalizer, resolve_ns_dtype
 from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.chunks import Chunk, batch_for_directions, chunk_info, communicates
 from shardmuon.planning.placements import local_tensor
@@ -107,7 +105,18 @@ class Muon(Optimizer):
             bit for bit.
         offload_prefetch: with offload, how many chunks' state may be on the device at once
             (the chunk being stepped and the ones loading ahead of it); default 2.
-        newton_schulz_impl: ``"folded"`` (default), ``"per-matrix"`` (``"folded"`` one
+        newton_schulz_dtype: the iteration's dtype, ``torch.bfloat16`` (default),
+            ``torch.float16`` (about 8x less rounding error, as fast on GPUs; slow on CPUs
+            without fp16 GEMMs) or ``torch.float32``; for ``"folded"`` and ``"gram"``. The
+            normalisation is fp32 either way and results are rounded to bf16.
+        newton_schulz_restarts: ``"gram"``'s restart steps (``None``: after step 2, then
+            every 3; ``()``: none).
+        newton_schulz_guard: check every result against the preset's singular-value band
+            and recompute a diverged matrix by the standard iteration in fp32 (counted in
+            ``last_step_stats.ns_fallbacks``); ``None`` (default): on for ``"gram"`` only.
+            One device synchronisation per Newton–Schulz call.
+        newton_schulz_impl: ``"folded"`` (default), ``"gram"`` (the Gram iteration: fewer
+            FLOPs for wide matrices, see ``ops/gram_newton_schulz.py``), ``"per-matrix"`` (``"folded"`` one
             matrix at a time: bits that do not depend on which matrices share a batch, so
             the same on any layout, world size and budget), ``"unfolded"`` (dion's bf16
             recipe, for benchmarks) or ``"compiled"`` (``"folded"`` through
@@ -156,6 +165,9 @@ class Muon(Optimizer):
         offload: str | None = None,
         offload_prefetch: int = 2,
         newton_schulz_impl: str = "folded",
+        newton_schulz_dtype: torch.dtype | str = "bfloat16",
+        newton_schulz_restarts: Sequence[int] | None = None,
+        newton_schulz_guard: bool | None = None,
         rotate_owners: bool = True,
         split_replicas: bool = False,
         warmup: bool = False,
@@ -174,6 +186,11 @@ class Muon(Optimizer):
             update_rms=update_rms,
             coefficients=resolve_coefficients(newton_schulz_coefficients),
             newton_schulz_impl=newton_schulz_impl,
+            newton_schulz_dtype=newton_schulz_dtype,
+            newton_schulz_restarts=None
+            if newton_schulz_restarts is None
+            else tuple(newton_schulz_restarts),
+            newton_schulz_guard=newton_schulz_guard,
             max_in_flight=max_in_flight,
             workspace_bytes=workspace_bytes,
             offload=offload,
@@ -359,13 +376,22 @@ class Muon(Optimizer):
         self._state_stager.stats = self.last_step_stats
         return self._state_stager
 
+    def _orthogonalizer(self) -> Orthogonalizer:
+        guard = self.newton_schulz_guard
+        return Orthogonalizer(
+            self.newton_schulz_impl,
+            resolve_ns_dtype(self.newton_schulz_dtype),
+            self.newton_schulz_restarts,
+            guard=self.newton_schulz_impl == "gram" if guard is None else guard,
+        )
+
     def _context(self) -> StepContext:
         return StepContext(
             plan=self._plan,
             param_groups=self.param_groups,
             state=self.state,
             stats=self.last_step_stats,
-            newton_schulz=NS_IMPLEMENTATIONS[self.newton_schulz_impl],
+            newton_schulz=self._orthogonalizer(),
             coefficients=self.coefficients,
             device=self._device(),
             workspace_bytes=self.workspace_bytes,

@@ -192,6 +192,9 @@ OPTIMIZER_SETTINGS = (
     "update_rms",
     "coefficients",
     "newton_schulz_impl",
+    "newton_schulz_dtype",
+    "newton_schulz_restarts",
+    "newton_schulz_guard",
     "max_in_flight",
     "workspace_bytes",
     "offload",
@@ -236,6 +239,21 @@ def check_optimizer_settings(
         raise ValueError(f"offload_prefetch must be an int >= 1, got {prefetch!r}")
     check_int("offload_prefetch", prefetch, 1, "an int >= 1")
     _check_choice("newton_schulz_impl", settings["newton_schulz_impl"], ns_impls)
+    from shardmuon.ops.ns_engine import resolve_ns_dtype
+
+    resolve_ns_dtype(settings["newton_schulz_dtype"])
+    restarts = settings["newton_schulz_restarts"]
+    if restarts is not None and not (
+        isinstance(restarts, tuple)
+        and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in restarts)
+    ):
+        raise ValueError(
+            f"newton_schulz_restarts must be None or a sequence of steps >= 1, got {restarts!r}"
+        )
+    if settings["newton_schulz_guard"] not in (None, True, False):
+        raise TypeError(
+            f"newton_schulz_guard must be None, True or False, got {settings['newton_schulz_guard']!r}"
+        )
     _check_choice("check_grads", settings["check_grads"], CHECK_GRADS_CHOICES)
     for name in ("rotate_owners", "split_replicas"):
         if not isinstance(settings[name], bool):

@@ -398,3 +398,23 @@ def _empty_stacks(ctx: Context) -> None:
         for kwargs in ({}, {"split_replicas": True}, {"workspace_bytes": 1000}):
             problems += compare(ctx, specs, f"layout {k} {specs} {kwargs}", seed=k, **kwargs)
     fail_on(problems)
+
+
+# ------------------------------------------------------------------ Newton–Schulz engines
+
+
+@case("gram_and_fp16_iterations_bitwise_with_one_process", (2, 3))
+def _engines(ctx: Context) -> None:
+    """Each engine on both sides (the owner runs it): bitwise like one process, and the
+    collectives pair up. A one-byte budget makes every Newton–Schulz call one matrix on
+    both sides (local stacks are cut to one; an owner gets one matrix of each batch), so the
+    batched kernels are the same; the guard's verdicts are per matrix."""
+    problems = []
+    for label, kwargs in (
+        ("gram", {"newton_schulz_impl": "gram"}),
+        ("gram fp16", {"newton_schulz_impl": "gram", "newton_schulz_dtype": "float16"}),
+        ("folded fp32, guarded", {"newton_schulz_impl": "folded",
+                                  "newton_schulz_dtype": "float32", "newton_schulz_guard": True}),
+    ):  # fmt: skip
+        problems += compare(ctx, ONE_DIM_SPECS, label, steps=2, workspace_bytes=1, **kwargs)
+    fail_on(problems)

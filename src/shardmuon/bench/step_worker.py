@@ -110,7 +110,7 @@ def replay_newton_schulz(
     all ranks run theirs at the same time, as in the step; a rank with no calls still joins
     the barriers.
     """
-    from shardmuon.ops.newton_schulz import NS_IMPLEMENTATIONS
+    from shardmuon.ops.ns_engine import NS_IMPLEMENTATIONS
 
     implementation = NS_IMPLEMENTATIONS[opt.newton_schulz_impl]
     eps = float(opt.defaults["epsilon"])

@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "NS_IMPLEMENTATIONS",
     "NS_PRESETS",
     "POLAR_EXPRESS_PAPER",
     "POLAR_EXPRESS_SAFETY",
@@ -360,12 +359,3 @@ def newton_schulz_reference(
         A = X @ X.mT
         X = a * X + (b * A + c * (A @ A)) @ X
     return X.mT if transposed else X
-
-
-# The implementations ``Muon(newton_schulz_impl=...)`` chooses from, by name.
-NS_IMPLEMENTATIONS = {
-    "folded": newton_schulz,
-    "unfolded": newton_schulz_unfolded,
-    "compiled": newton_schulz_compiled,
-    "per-matrix": newton_schulz_per_matrix,
-}

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardmuon.ops.adamw import adamw_update_
-from shardmuon.ops.newton_schulz import newton_schulz
 from shardmuon.ops.partitions import orthogonalize_blocks
 from shardmuon.ops.update import direction, momentum_update_, weight_update_
 from shardmuon.planning.batches import MuonBatch, Segment
@@ -131,10 +130,14 @@ class StepContext:
 
         def ns(X: Tensor) -> Tensor:
             stats.ns_calls.append((X.size(0), X.size(1), X.size(2)))
-            if self.newton_schulz is newton_schulz:
-                # The pipeline owns every buffer it orthogonalizes: normalise in place.
-                return newton_schulz(X, self.coefficients, batch.eps, overwrite_input=True)
-            return self.newton_schulz(X, self.coefficients, batch.eps)
+            out = self.newton_schulz(X, self.coefficients, batch.eps)
+            for verdict in getattr(self.newton_schulz, "verdicts", ()):
+                stats.ns_checked += verdict.checked
+                stats.ns_fallbacks += verdict.fallbacks
+                stats.ns_worst_ratio = max(stats.ns_worst_ratio, verdict.worst_ratio)
+            if getattr(self.newton_schulz, "verdicts", None):
+                self.newton_schulz.verdicts.clear()
+            return out
 
         return orthogonalize_blocks(U, batch.partitions, ns)
 

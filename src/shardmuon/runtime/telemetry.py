@@ -45,7 +45,10 @@ class StepStats:
     step's transient buffers on this rank (``planning/workspace.py``), what ``workspace_bytes`` caps;
     ``offload_*`` (``offload="state"``): optimizer state copied host -> device and back,
     and the most state bytes on the device at once; ``nonfinite_matrices``: matrices whose
-    update was skipped because their direction held inf or NaN.
+    update was skipped because their direction held inf or NaN; ``ns_checked``,
+    ``ns_fallbacks``, ``ns_worst_ratio`` (with the divergence guard on): matrices whose result
+    was checked, those recomputed by the safe iteration, and the largest estimated top
+    singular value over the preset's band (1.0: at the band's top).
     """
 
     bytes_sent: int = 0
@@ -61,6 +64,9 @@ class StepStats:
     offload_bytes_loaded: int = 0
     offload_bytes_stored: int = 0
     offload_workspace_peak_bytes: int = 0
+    ns_checked: int = 0
+    ns_fallbacks: int = 0
+    ns_worst_ratio: float = 0.0
     # Per Newton–Schulz call, a device count of its matrices with a non-finite entry: kept
     # on the device (no synchronisation in the step) until ``nonfinite_matrices`` is read.
     nonfinite_counts: list = field(default_factory=list, repr=False)
@@ -103,6 +109,11 @@ class StepStats:
                 f"  offload: loaded {_bytes(self.offload_bytes_loaded)}, stored "
                 f"{_bytes(self.offload_bytes_stored)}, state on device at most "
                 f"{_bytes(self.offload_workspace_peak_bytes)}"
+            )
+        if self.ns_checked:
+            lines.append(
+                f"  divergence guard: {self.ns_checked} checked, {self.ns_fallbacks} "
+                f"recomputed, worst {self.ns_worst_ratio:.3f} x the band"
             )
         lines.append(f"  non-finite matrices skipped: {self.nonfinite_matrices}")
         return "\n".join(lines)
