@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
-from torch import nn
+from torch import Tensor, nn
 
 from shardmuon.ops.newton_schulz import resolve_coefficients
 from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES
@@ -40,6 +40,8 @@ def _number(field_name: str, value: Any) -> Any:
             return float(value)
         except ValueError:
             return value
+    if not isinstance(value, (bool, int, float, Tensor)) and hasattr(value, "__float__"):
+        return float(value)  # a numpy scalar, say
     return value
 
 

@@ -35,7 +35,12 @@ from shardmuon.runtime.exchange import warmup_groups
 from shardmuon.runtime.offload import OFFLOAD_CHOICES, StateStager
 from shardmuon.runtime.phases import BatchRun, StepContext, orthogonalize_run
 from shardmuon.runtime.pipeline import new_progress, run_step, step_one_chunk
-from shardmuon.runtime.state import advance_step_counters, host_state_entries, init_state
+from shardmuon.runtime.state import (
+    adopt_loaded_counts,
+    advance_step_counters,
+    host_state_entries,
+    init_state,
+)
 from shardmuon.runtime.telemetry import StepStats
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.validation import (
@@ -47,6 +52,7 @@ from shardmuon.validation import (
     check_grads,
     check_group,
     check_group_settings,
+    check_momentum_alias,
     check_optimizer_settings,
     group_defaults,
 )
@@ -105,16 +111,11 @@ class Muon(Optimizer):
             bit for bit.
         offload_prefetch: with offload, how many chunks' state may be on the device at once
             (the chunk being stepped and the ones loading ahead of it); default 2.
-        newton_schulz_dtype: the iteration's dtype, ``torch.bfloat16`` (default),
-            ``torch.float16`` (about 8x less rounding error, as fast on GPUs; slow on CPUs
-            without fp16 GEMMs) or ``torch.float32``; for ``"folded"`` and ``"gram"``. The
-            normalisation is fp32 either way and results are rounded to bf16.
-        newton_schulz_restarts: ``"gram"``'s restart steps (``None``: after step 2, then
-            every 3; ``()``: none).
-        newton_schulz_guard: check every result against the preset's singular-value band
-            and recompute a diverged matrix by the standard iteration in fp32 (counted in
-            ``last_step_stats.ns_fallbacks``); ``None`` (default): on for ``"gram"`` only.
-            One device synchronisation per Newton–Schulz call.
+        newton_schulz_dtype, newton_schulz_restarts, newton_schulz_guard: the iteration's
+            dtype (``"bfloat16"`` default, ``"float16"``, ``"float32"``; fp32 normalisation,
+            bf16 results), Gram's restart steps (``None``: after 2, then every 3), and the
+            divergence guard (``None``: on for ``"gram"`` only; a device sync per call):
+            see ``ops/ns_engine.py``, ``ops/ns_guard.py``.
         newton_schulz_impl: ``"folded"`` (default), ``"gram"`` (the Gram iteration: fewer
             FLOPs for wide matrices, see ``ops/gram_newton_schulz.py``), ``"per-matrix"`` (``"folded"`` one
             matrix at a time: bits that do not depend on which matrices share a batch, so
@@ -129,11 +130,13 @@ class Muon(Optimizer):
         warmup: run :meth:`warmup` at construction.
         world_mesh, fsdp_mesh_dim: samsja/dion's mesh arguments (prime-rl passes them),
             accepted and only type-checked, like ``distributed_mesh``.
-        check_grads: when to verify, with two small all-reduces per shard group, that the
-            group's ranks planned the same batches and that a parameter's grad is present on
-            all ranks of its group or on none: ``"first"`` step (default), ``"always"`` or
-            ``"never"``. A parameter without a grad is
-            skipped (no momentum, no decay) on every rank, as in dion.
+        check_grads: when to verify, with one small all-reduce per group, that the group's
+            ranks planned the same batches with the same settings and that a parameter's
+            grad is present on all ranks of its group or on none: ``"first"`` step and after
+            a plan change (default), ``"always"``, or ``"never"`` (the plan is still compared
+            once, so that ranks configured differently get an error, not a hang; grads
+            never). A parameter without a grad is skipped (no momentum, no decay) on every
+            rank, as in dion.
 
     A matrix whose direction holds NaN or inf (a non-finite gradient or momentum) is
     skipped: its orthogonalized direction is zero (decoupled weight decay still applies),
@@ -288,6 +291,8 @@ class Muon(Optimizer):
         check raises.
         """
         self._check_options()
+        for index, group in enumerate(self.param_groups):  # all checked before any is applied
+            check_momentum_alias(index, group)
         for index, group in enumerate(self.param_groups):
             apply_momentum_alias(index, group)
             check_group_settings(index, group)
@@ -377,12 +382,13 @@ class Muon(Optimizer):
         return self._state_stager
 
     def _orthogonalizer(self) -> Orthogonalizer:
-        guard = self.newton_schulz_guard
+        guard, impl = self.newton_schulz_guard, self.newton_schulz_impl
+        dtype = resolve_ns_dtype(self.newton_schulz_dtype)
         return Orthogonalizer(
-            self.newton_schulz_impl,
-            resolve_ns_dtype(self.newton_schulz_dtype),
+            impl,
+            dtype,
             self.newton_schulz_restarts,
-            guard=self.newton_schulz_impl == "gram" if guard is None else guard,
+            guard=impl == "gram" if guard is None else guard,
         )
 
     def _context(self) -> StepContext:
@@ -469,9 +475,9 @@ class Muon(Optimizer):
         # since construction: put every state tensor where the step expects it (with
         # offload: contiguous host memory, which staging views and writes back in place).
         self._init_state()
-        if self.check_grads == "always" or (
-            self.check_grads == "first" and not self._plan_verified
-        ):
+        # "never" still compares the plan once (one small all-reduce per group): a rank
+        # configured otherwise would otherwise meet this check with its first all-to-all.
+        if self.check_grads == "always" or not self._plan_verified:
             self._check_agreement()
             self._plan_verified = True
         advance_step_counters(self.param_groups, self.state, self._counted_steps)
@@ -491,6 +497,7 @@ class Muon(Optimizer):
             settings,
             self._device(),
             step_schedule(plan.batches, self.workspace_bytes, self.max_in_flight),
+            compare_grads=self.check_grads != "never",
         )
 
     @torch.no_grad()
@@ -536,10 +543,6 @@ class Muon(Optimizer):
         (shardmuon has no cautious weight decay) and its per-parameter AdamW ``step_dev`` is
         dropped (the group's ``step`` counts).
         """
-        if self._round is not None and self._broken is None:
-            raise RuntimeError(
-                "load_state_dict during a step_chunk round; step the remaining chunks first"
-            )
         # The pre-hooks run first, here, so that what is validated is what is loaded (a
         # hook may return another dict); torch must not run them a second time.
         pre_hooks = self._optimizer_load_state_dict_pre_hooks
@@ -590,12 +593,14 @@ class Muon(Optimizer):
         to the device), after any store still in flight has landed."""
         if self._state_stager is not None:
             self._state_stager.wait_host()
+        adopt_loaded_counts(self.param_groups, self.state, self._counted_steps)
         return super().state_dict()
 
     # ----------------------------------------------------------------- copies
 
     def __getstate__(self) -> dict[str, Any]:
         """torch keeps defaults, state and groups; the optimizer-wide settings come too."""
+        adopt_loaded_counts(self.param_groups, self.state, self._counted_steps)
         state = super().__getstate__()
         state["_shardmuon_settings"] = {
             **self._settings(),

@@ -16,7 +16,7 @@ from typing import Any
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from shardmuon.validation import check_group, check_number
+from shardmuon.validation import MOMENTUM_ALIAS, check_group, check_number
 
 __all__ = ["DROPPED_KEYS", "STATE_KEYS", "checked_groups"]
 
@@ -82,6 +82,8 @@ def checked_groups(
             )
         group = {**current, **{k: v for k, v in saved.items() if k != "params"}}
         group["params"] = current["params"]
+        if MOMENTUM_ALIAS not in saved:  # the loaded mu / beta1 rule, not an old alias
+            group.pop(MOMENTUM_ALIAS, None)
         try:
             check_group(index, group)
         except (TypeError, ValueError) as err:

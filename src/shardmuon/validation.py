@@ -57,6 +57,9 @@ def check_number(
     accepted = f"a number in [0, {upper:g})" if upper is not None else f"a finite number {low}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be {accepted}, got {value!r}")
+    if isinstance(value, int) and abs(value) >= 2**1024:  # no float holds it
+        shown = f"an int of {len(str(abs(value)))} digits"
+        raise ValueError(f"{name} must be {accepted}, got {shown}")
     low_ok = value > 0.0 if positive else value >= 0.0
     if not low_ok or not math.isfinite(value) or (upper is not None and not value < upper):
         raise ValueError(f"{name} must be {accepted}, got {value!r}")
@@ -83,13 +86,21 @@ def apply_momentum_alias(index: int, group: dict) -> None:
     value = group.get(MOMENTUM_ALIAS)
     if value is None:
         return
-    check_number(f"param group {index}: momentum (the alias of mu / beta1)", value, 1.0)
+    check_momentum_alias(index, group)
     group["beta1" if group.get("algorithm") == "adamw" else "mu"] = value
+
+
+def check_momentum_alias(index: int, group: dict) -> None:
+    """A group's ``momentum`` alias, when set, must be a valid ``mu`` / ``beta1``."""
+    value = group.get(MOMENTUM_ALIAS)
+    if value is not None:
+        check_number(f"param group {index}: momentum (the alias of mu / beta1)", value, 1.0)
 
 
 def check_group_settings(index: int, group: dict) -> None:
     """A group's hyper-parameters (cheap: run before every step, as they are live)."""
     where = f"param group {index}"
+    check_momentum_alias(index, group)
     if group["algorithm"] not in ALGORITHMS:
         raise ValueError(
             f"{where}: unknown algorithm {group['algorithm']!r}; accepted: 'muon', 'adamw'"

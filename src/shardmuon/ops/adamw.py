@@ -61,18 +61,24 @@ def adamw_update_(
         X = [params[i] for i in run]
         M = [momenta[i] for i in run]
         V = [variances[i] for i in run]
+        # Everything that allocates runs before any state or parameter is written, so an
+        # out-of-memory leaves the run as it was and a retry updates it once (the
+        # out-of-place ops give the in-place ones' bits).
         G = [grads[i].to(momenta[i].dtype) for i in run]
-        torch._foreach_lerp_(M, G, [one_minus_beta1] * len(run))
+        new_M = torch._foreach_lerp(M, G, [one_minus_beta1] * len(run))
         squares = [sq.to(v.dtype) for sq, v in zip(torch._foreach_mul(G, G), V)]
-        torch._foreach_lerp_(V, squares, [one_minus_beta2] * len(run))
+        new_V = torch._foreach_lerp(V, squares, [one_minus_beta2] * len(run))
         del squares, G
-        denom = torch._foreach_sqrt(V)
+        denom = torch._foreach_sqrt(new_V)
         torch._foreach_div_(denom, bias2_sqrt)
         torch._foreach_add_(denom, [eps_t] * len(run))
-        torch._foreach_mul_(X, decay)
-        quotient = torch._foreach_div(M, denom)
+        quotient = torch._foreach_div(new_M, denom)
         del denom
         torch._foreach_mul_(quotient, step_size)
+        torch._foreach_copy_(M, new_M)
+        torch._foreach_copy_(V, new_V)
+        del new_M, new_V
+        torch._foreach_mul_(X, decay)
         torch._foreach_sub_(X, quotient)
         if on_param_done is not None:
             for i in run:

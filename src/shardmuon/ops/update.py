@@ -77,14 +77,25 @@ def weight_update_(
     rounded once): each is a single correctly rounded operation per element, so the result
     does not depend on how long the local tensor is (a fused ``add_(alpha=)`` may take a
     vector path with an FMA on one length and a scalar path on another).
+
+    Everything that allocates (the fp32 steps, a bf16 parameter's fp32 copy) happens before
+    the parameter is written, so an out-of-memory leaves it unchanged and a retry updates it
+    once.
     """
+    steps = [
+        (start, end, ortho[..., start:end, :].to(torch.float32).mul_(-lr * scale))
+        for start, end, scale in row_scales
+        if end > start
+    ]
+    if param.dtype != torch.float32:
+        wide = [param[..., start:end, :].to(torch.float32) for start, end, _ in steps]
     if weight_decay != 0.0:
         param.mul_(1.0 - lr * weight_decay)
-    for start, end, scale in row_scales:
-        if end > start:
-            rows = param[..., start:end, :]
-            step = ortho[..., start:end, :].to(torch.float32).mul_(-lr * scale)
-            if rows.dtype == torch.float32:
-                rows.add_(step)
-            else:
-                rows.copy_(rows.to(torch.float32).add_(step))
+    for k, (start, end, step) in enumerate(steps):
+        rows = param[..., start:end, :]
+        if rows.dtype == torch.float32:
+            rows.add_(step)
+        else:
+            # The decay rounded to the param's dtype first, as before: same bits.
+            wide[k].copy_(rows)
+            rows.copy_(wide[k].add_(step))

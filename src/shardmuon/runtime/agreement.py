@@ -45,6 +45,7 @@ __all__ = [
 
 # Keys of a group that change the update of its parameters.
 UPDATE_KEYS = ("lr", "weight_decay", "mu", "nesterov", "epsilon", "adjust_lr", "flatten")
+ADAMW_KEYS = ("lr", "beta1", "beta2", "weight_decay", "epsilon")
 
 
 def agreement_groups(batches: Iterable[MuonBatch]) -> list[ShardGroup]:
@@ -74,6 +75,27 @@ Entry = tuple[str, tuple[tuple[str, object], ...]]
 
 def _settings_entry(settings: Mapping[str, object]) -> Entry:
     return "the optimizer's settings", tuple(settings.items())
+
+
+def _adamw_entries(param_groups: Sequence[dict]) -> list[Entry]:
+    """AdamW groups: their shards are updated by every member alike, so their settings,
+    step (the bias correction) and parameters must agree too."""
+    entries = []
+    for index, group in enumerate(param_groups):
+        if group.get("algorithm") != "adamw":
+            continue
+        shapes = tuple(tuple(p.shape) for p in group["params"])
+        entries.append(
+            (
+                f"AdamW param group {index}",
+                (
+                    *((key, _value(group[key])) for key in ADAMW_KEYS),
+                    ("step", group["step"]),
+                    ("parameters (count, shapes)", (len(shapes), hash(shapes))),
+                ),
+            )
+        )
+    return entries
 
 
 def _batch_entry(batch: MuonBatch, position: int, as_shard: bool) -> Entry:
@@ -122,7 +144,7 @@ def describe(
     named), the grad-presence flags of the described segments, and the shapes of this rank's
     described parameters that have no grad (for the message).
     """
-    described: list[Entry] = [_settings_entry(settings)]
+    described: list[Entry] = [_settings_entry(settings), *_adamw_entries(param_groups)]
     flags: list[bool] = []
     missing: list[tuple[int, ...]] = []
     position: dict[int, int] = {}  # batch index -> its position among the described ones
@@ -234,8 +256,10 @@ def check_agreement(
     settings: Mapping[str, object],
     device: torch.device,
     ops: Sequence[tuple[str, int]] = (),
+    compare_grads: bool = True,
 ) -> None:
     """Raise on every rank of a group whose ranks disagree (see the module docstring).
+    ``compare_grads=False`` (``check_grads="never"``): the grad flags are left out.
 
     Every group's reduction runs before anything raises, so a rank that finds a mismatch in
     one group still joins its later groups and no peer is left waiting.
@@ -246,7 +270,7 @@ def check_agreement(
             group.ranks, batches, params, group_of, param_groups, settings, ops
         )
         plan_hash = _hash63(described)
-        grads_hash = _hash63(flags)
+        grads_hash = _hash63(flags if compare_grads else ())
         local = torch.tensor(
             [plan_hash, -plan_hash, grads_hash, -grads_hash], dtype=torch.int64, device=device
         )
@@ -257,21 +281,28 @@ def check_agreement(
             # collective on the failure path only, to name what differs.
             gathered: list = [None] * group.size
             dist.all_gather_object(gathered, described, group=group.process_group)
-            shapes = sorted({(b.layout.rows, b.layout.cols) for b in batches})
+            # The same text on every rank: it names what differs, by rank.
             errors.append(
                 f"the ranks of process group {list(group.ranks)} disagree on the Muon step: "
                 f"{first_difference(gathered, group.ranks)}. Every rank must build and "
                 "configure the optimizer the same way: the same parameters (shapes, "
                 "placements, order) and settings, and local shards laid out as their "
                 "placements say (an uneven _StridedShard made by distribute_tensor instead of "
-                f"FSDP2 is not). This rank's matrix shapes: {shapes}"
+                "FSDP2 is not)"
             )
         elif high_grads != -low_grads:
+            everyone: list = [None] * group.size
+            dist.all_gather_object(everyone, missing, group=group.process_group)
+            without = "; ".join(
+                f"rank {rank} has none for shapes {shapes}"
+                for rank, shapes in zip(group.ranks, everyone)
+                if shapes
+            )
             errors.append(
                 f"the ranks of process group {list(group.ranks)} disagree on which Muon "
-                f"parameters have a grad (this rank has none for shapes {missing}); a sharded "
-                "or replicated parameter's grad must exist on all ranks of its groups or on "
-                "none (FSDP2 guarantees this: check for parameters used on some ranks only)"
+                f"parameters have a grad ({without}); a sharded or replicated parameter's "
+                "grad must exist on all ranks of its groups or on none (FSDP2 guarantees "
+                "this: check for parameters used on some ranks only)"
             )
     if errors:
         raise ValueError(errors[0])

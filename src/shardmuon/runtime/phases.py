@@ -312,7 +312,13 @@ def compute(ctx: StepContext, run: BatchRun) -> None:
         del whole
         run.exchange.start_return(result)
     elif run.buffer is not None:
-        run.results = ctx.orthogonalize(run.buffer, run.batch)
+        try:
+            run.results = ctx.orthogonalize(run.buffer, run.batch)
+        except BaseException:
+            # The in-place iteration may have overwritten the directions: a retry writes
+            # them again from the momentum (which is not updated twice).
+            run.buffer, run.prepared = None, False
+            raise
         run.buffer = None
     run.computed = True
 

@@ -23,6 +23,7 @@ from shardmuon.runtime.offload import host_copy
 
 __all__ = [
     "STATE_KEYS",
+    "adopt_loaded_counts",
     "advance_step_counters",
     "host_state_entries",
     "init_state",
@@ -59,18 +60,28 @@ def init_state(
             counted[index] = group["step"]
 
 
-def advance_step_counters(param_groups: list[dict], state: dict, counted: dict[int, int]) -> None:
-    """Every group's ``step`` and its parameters' counters advance by one.
+def adopt_loaded_counts(param_groups: list[dict], state: dict, counted: dict[int, int]) -> None:
+    """A group whose first counter no longer holds what was last written was loaded in
+    place: the loaded count becomes the group's ``step``. Otherwise the group's ``step``
+    rules (perhaps set by hand). Run before a step, a state dict and a copy."""
+    for index, group in enumerate(param_groups):
+        counter = state[group["params"][0]].get("step") if group["params"] else None
+        if index not in counted or not _is_step_counter(counter):
+            continue
+        # The count as a float32 holds it (2**24 + 1 reads back as 2**24).
+        written = float(torch.tensor(float(counted[index]), dtype=torch.float32))
+        loaded = float(counter.item())
+        if loaded != written:
+            group["step"] = int(loaded)
+            counted[index] = group["step"]
 
-    A counter that no longer holds what was last written was loaded in place: the loaded
-    count becomes the group's. Otherwise the group's ``step`` rules (perhaps set by hand)
-    and the counters follow.
-    """
+
+def advance_step_counters(param_groups: list[dict], state: dict, counted: dict[int, int]) -> None:
+    """Every group's ``step`` and its parameters' counters advance by one (after
+    :func:`adopt_loaded_counts`)."""
+    adopt_loaded_counts(param_groups, state, counted)
     for index, group in enumerate(param_groups):
         counters = [state[p]["step"] for p in group["params"]]
-        loaded = int(counters[0].item()) if counters else None
-        if loaded is not None and loaded != counted.get(index, loaded):
-            group["step"] = loaded
         group["step"] += 1
         counted[index] = group["step"]
         if counters:
