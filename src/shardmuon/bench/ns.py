@@ -1,8 +1,11 @@
-"""``shardmuon bench ns``: Newton–Schulz per call, folded (``baddbmm``) vs unfolded (dion's).
+"""``shardmuon bench ns``: Newton–Schulz per call, folded (``baddbmm``) vs unfolded (dion's),
+and the Gram iteration.
 
 For each shape and coefficient preset: milliseconds per call of both, the speed-up, the
 achieved TFLOP/s of the folded one, that rate as a fraction of a plain bf16 GEMM measured
-in the same run, and the relative error of both against the float64 iteration.
+in the same run, and the relative error of both against the float64 iteration. A second
+table gives the Gram iteration (its default restart): time, time and FLOPs (exact counts,
+restarts included) over the folded iteration's, error, and the divergence guard's verdict.
 """
 
 from __future__ import annotations
@@ -23,12 +26,19 @@ from shardmuon.bench.report import (
     write_outputs,
 )
 from shardmuon.harness.cli_support import HelpFormatter, add_hidden_alias, check_outputs
+from shardmuon.ops.gram_newton_schulz import (
+    default_restarts,
+    gram_flops,
+    newton_schulz_gram,
+    standard_flops,
+)
 from shardmuon.ops.newton_schulz import (
     NS_PRESETS,
     newton_schulz,
     newton_schulz_reference,
     newton_schulz_unfolded,
 )
+from shardmuon.ops.ns_guard import guarded
 
 __all__ = [
     "CPU_SHAPES",
@@ -127,8 +137,12 @@ def measure_shape(
         X = X.mT
     Xt = X.mT.contiguous()
     gemm_s = median_time(lambda: torch.bmm(X, Xt), device, repeats)
+    gram_s = median_time(lambda: newton_schulz_gram(G, preset), device, repeats)
     ref = newton_schulz_reference(G, preset)
     flops = newton_schulz_flops(shape, iterations)
+    _, m, n = _dims(shape)
+    restarts = default_restarts(iterations)
+    _, verdict = guarded(G, lambda X: newton_schulz_gram(X, preset), preset, 1e-8)
     gemm_rate = gemm_flops(shape) / gemm_s
     folded_rate = flops / folded_s
     return {
@@ -144,6 +158,15 @@ def measure_shape(
         "fraction_of_gemm": folded_rate / gemm_rate,
         "rel_error_folded": relative_difference(newton_schulz(G, preset), ref),
         "rel_error_unfolded": relative_difference(newton_schulz_unfolded(G, preset), ref),
+        "gram_ms": gram_s * 1e3,
+        "gram_restarts": list(restarts),
+        "gram_time_ratio": gram_s / folded_s,
+        "gram_flops_ratio": gram_flops(m, n, iterations, restarts)
+        / standard_flops(m, n, iterations),
+        "rel_error_gram": relative_difference(newton_schulz_gram(G, preset), ref),
+        "gram_guard_checked": verdict.checked,
+        "gram_guard_fallbacks": verdict.fallbacks,
+        "gram_guard_worst_ratio": verdict.worst_ratio,
     }
 
 
@@ -247,9 +270,32 @@ def run(args: argparse.Namespace) -> int:
                 if r["preset"] == preset
             ],
         )
+    for preset in presets:
+        print_table(
+            f"Gram Newton-Schulz per call, {preset} coefficients ({device.type})",
+            ["shape", "gram\nms", "time\n÷ fold", "FLOPs\n÷ std", "err\ngram", "guard"],
+            [
+                [
+                    "x".join(map(str, r["shape"])),
+                    fmt(r["gram_ms"], ".2f"),
+                    fmt(r["gram_time_ratio"], ".2f"),
+                    fmt(r["gram_flops_ratio"], ".3f"),
+                    fmt(100 * r["rel_error_gram"], ".2f", "%"),
+                    f"{r['gram_guard_fallbacks']}/{r['gram_guard_checked']} redone",
+                ]
+                for r in rows
+                if r["preset"] == preset
+            ],
+        )
     print_legend(
         [
             ("folded / unfolded ms", "one call of shardmuon's Newton-Schulz / dion's recipe"),
+            (
+                "gram",
+                "newton_schulz_impl='gram', its default restart; time and exact FLOPs "
+                "over the folded / standard iteration's",
+            ),
+            ("guard", "matrices the divergence guard recomputed in fp32, of those checked"),
             ("speed-up", "unfolded time over folded time"),
             ("TFLOP/s", "folded: batch x iterations x (4 m^2 n + 2 m^3) FLOPs per call"),
             ("of GEMM", "that rate over a plain bf16 X X^T GEMM on the same shape"),

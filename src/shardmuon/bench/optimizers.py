@@ -34,6 +34,7 @@ IMPLEMENTATIONS: tuple[str, ...] = (
     "shardmuon-no-rotation",
     "shardmuon-split-replicas",
     "shardmuon-check-always",
+    "shardmuon-gram",
     "dion",
     "torch-muon",
     "adamw",
@@ -46,6 +47,7 @@ SHARDMUON_OPTIONS: dict[str, dict[str, Any]] = {
     "shardmuon-no-rotation": {"rotate_owners": False},
     "shardmuon-split-replicas": {"split_replicas": True},
     "shardmuon-check-always": {"check_grads": "always"},
+    "shardmuon-gram": {"newton_schulz_impl": "gram"},
 }
 # Run only when asked for (--impl), with why.
 DEFAULT_OFF: dict[str, str] = {
@@ -53,6 +55,8 @@ DEFAULT_OFF: dict[str, str] = {
     "Newton-Schulz shape on first use (about 20 s each on a small CPU)",
     "shardmuon-check-always": "opt-in (--impl shardmuon-check-always): the agreement check "
     "on every step, the price of catching a grad that disappears on some ranks after step 1",
+    "shardmuon-gram": "opt-in (--impl shardmuon-gram): the Gram Newton-Schulz iteration with "
+    "its divergence guard",
 }
 WEIGHT_DECAY = 0.1
 # A shardmuon impl with this suffix runs with ``offload="state"`` (``--offload``).
