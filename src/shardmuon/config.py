@@ -101,7 +101,9 @@ class MuonConfig(BaseModel):
     split_replicas: bool = False
     rotate_owners: bool = True
     check_grads: Literal["first", "always", "never"] = "first"
-    newton_schulz_impl: Literal["folded", "per-matrix", "unfolded", "compiled", "gram"] = "folded"
+    newton_schulz_impl: Literal["folded", "per-matrix", "unfolded", "compiled", "gram", "auto"] = (
+        "folded"
+    )
     newton_schulz_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     newton_schulz_restarts: list[int] | None = None
     newton_schulz_guard: bool | None = None

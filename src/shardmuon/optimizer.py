@@ -117,7 +117,8 @@ class Muon(Optimizer):
             divergence guard (``None``: on for ``"gram"`` only; a device sync per call):
             see ``ops/ns_engine.py``, ``ops/ns_guard.py``.
         newton_schulz_impl: ``"folded"`` (default), ``"gram"`` (the Gram iteration: fewer
-            FLOPs for wide matrices, see ``ops/gram_newton_schulz.py``), ``"per-matrix"`` (``"folded"`` one
+            FLOPs for wide matrices, see ``ops/gram_newton_schulz.py``), ``"auto"`` (Gram,
+            guarded, for calls with aspect >= 2.5 on CUDA; folded otherwise), ``"per-matrix"`` (``"folded"`` one
             matrix at a time: bits that do not depend on which matrices share a batch, so
             the same on any layout, world size and budget), ``"unfolded"`` (dion's bf16
             recipe, for benchmarks) or ``"compiled"`` (``"folded"`` through
@@ -234,7 +235,7 @@ class Muon(Optimizer):
 
     def _check_options(self) -> None:
         """The optimizer-wide settings (public attributes, so checked again before each step)."""
-        check_optimizer_settings(self._settings(), tuple(NS_IMPLEMENTATIONS), OFFLOAD_CHOICES)
+        check_optimizer_settings(self._settings(), (*NS_IMPLEMENTATIONS, "auto"), OFFLOAD_CHOICES)
 
     # ----------------------------------------------------------------- planning
 

@@ -121,7 +121,7 @@ BAD_VALUES = [
     (
         "newton_schulz_impl",
         "fast",
-        r"Input should be 'folded', 'per-matrix', 'unfolded', 'compiled' or 'gram'",
+        r"Input should be 'folded', 'per-matrix', 'unfolded', 'compiled', 'gram' or 'auto'",
     ),
     ("split_replicas", "maybe", r"Input should be a valid boolean"),
     ("flatten", 2, r"Input should be a valid boolean"),

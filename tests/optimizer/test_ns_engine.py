@@ -115,3 +115,22 @@ def test_the_engine_settings_survive_a_copy_and_enter_the_config() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16))
     built = build_optimizer(model, config)
     assert (built.newton_schulz_impl, built.newton_schulz_restarts) == ("gram", (2,))
+
+
+def test_auto_picks_by_a_rule_of_shape_and_device_alone() -> None:
+    """The rule every rank applies alike: Gram for aspect >= 2.5 on CUDA, folded otherwise
+    (on this CPU: folded everywhere, which the measurements support)."""
+    from shardmuon.ops.ns_engine import auto_choice
+
+    assert auto_choice((8, 128, 512), "cuda") == "gram"
+    assert auto_choice((8, 512, 128), "cuda") == "gram"
+    assert auto_choice((8, 256, 512), "cuda") == "folded"
+    assert auto_choice((8, 128, 512), "cpu") == "folded"
+    ps = _params()
+    opt = Muon(ps, newton_schulz_impl="auto")
+    gen = torch.Generator().manual_seed(1)
+    for p in ps:
+        u = torch.randn(p.shape, generator=gen)
+        (got,) = opt.orthogonalize_chunk([p], [u])
+        want = newton_schulz(u.to(torch.bfloat16).reshape(-1, *p.shape[-2:])).reshape(p.shape)
+        assert torch.equal(got, want)

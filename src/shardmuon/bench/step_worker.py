@@ -110,9 +110,14 @@ def replay_newton_schulz(
     all ranks run theirs at the same time, as in the step; a rank with no calls still joins
     the barriers.
     """
-    from shardmuon.ops.ns_engine import NS_IMPLEMENTATIONS
+    from shardmuon.ops.ns_engine import NS_IMPLEMENTATIONS, auto_choice
 
-    implementation = NS_IMPLEMENTATIONS[opt.newton_schulz_impl]
+    def implementation(X, coefficients, eps):
+        name = opt.newton_schulz_impl
+        if name == "auto":
+            name = auto_choice(X.shape, X.device.type)
+        return NS_IMPLEMENTATIONS[name](X, coefficients, eps)
+
     eps = float(opt.defaults["epsilon"])
     gen = torch.Generator(device=ctx.device).manual_seed(name_seed("ns", ctx.rank))
     inputs = [

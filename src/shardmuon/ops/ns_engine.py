@@ -22,7 +22,14 @@ from shardmuon.ops.newton_schulz import (
 )
 from shardmuon.ops.ns_guard import GuardVerdict, guarded
 
-__all__ = ["NS_DTYPES", "NS_IMPLEMENTATIONS", "Orthogonalizer", "resolve_ns_dtype"]
+__all__ = [
+    "AUTO_GRAM_MIN_ASPECT",
+    "NS_DTYPES",
+    "NS_IMPLEMENTATIONS",
+    "Orthogonalizer",
+    "auto_choice",
+    "resolve_ns_dtype",
+]
 
 # The implementations ``Muon(newton_schulz_impl=...)`` chooses from, by name.
 NS_IMPLEMENTATIONS: dict[str, Callable[..., Tensor]] = {
@@ -36,6 +43,18 @@ NS_IMPLEMENTATIONS: dict[str, Callable[..., Tensor]] = {
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Implementations that take an iteration dtype (the others are bf16 recipes).
 _WITH_DTYPE = ("folded", "gram")
+# ``"auto"``'s rule: Gram where it saves enough FLOPs to pay for its guard and the device
+# runs it at GEMM speed (CUDA), the folded iteration elsewhere. A function of the shape and
+# the device type only, so every rank of a group decides alike (the digest carries "auto").
+AUTO_GRAM_MIN_ASPECT = 2.5
+
+
+def auto_choice(shape: Sequence[int], device_type: str) -> str:
+    """``"gram"`` or ``"folded"`` for one call on ``shape`` (``[..., m, n]``)."""
+    m, n = sorted(shape[-2:])
+    if device_type == "cuda" and m > 0 and n / m >= AUTO_GRAM_MIN_ASPECT:
+        return "gram"
+    return "folded"
 
 
 def resolve_ns_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -62,6 +81,13 @@ class Orthogonalizer:
         guard: bool = False,
     ) -> None:
         self.impl, self.dtype, self.guard = impl, dtype, guard
+        if impl == "auto":
+            self._choices = {
+                name: Orthogonalizer(name, dtype, restarts, guard=guard or name == "gram")
+                for name in ("gram", "folded")
+            }
+            self.verdicts = []
+            return
         fn = NS_IMPLEMENTATIONS[impl]
         kwargs: dict = {}
         if impl in _WITH_DTYPE and dtype != torch.bfloat16:
@@ -74,6 +100,13 @@ class Orthogonalizer:
         self.verdicts: list[GuardVerdict] = []
 
     def __call__(self, X: Tensor, coefficients, eps: float) -> Tensor:
+        if self.impl == "auto":
+            chosen = self._choices[auto_choice(X.shape, X.device.type)]
+            out = chosen(X, coefficients, eps)
+            self.verdicts.extend(chosen.verdicts)
+            chosen.verdicts.clear()
+            return out
+
         def run(G: Tensor) -> Tensor:
             if self.in_place:
                 # The pipeline owns every buffer it orthogonalizes: normalise in place.
