@@ -30,10 +30,10 @@ from shardmuon.planning.plan import (
     plan_settings,
 )
 from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES, batch_bytes, step_schedule
-from shardmuon.runtime.agreement import agreement_groups, check_agreement
+from shardmuon.runtime.agreement import agreement_groups, check_plan_agreement
 from shardmuon.runtime.exchange import warmup_groups
 from shardmuon.runtime.offload import OFFLOAD_CHOICES, StateStager
-from shardmuon.runtime.phases import BatchRun, StepContext, orthogonalize_run
+from shardmuon.runtime.phases import BatchRun, StepContext, orthogonalize_directions
 from shardmuon.runtime.pipeline import new_progress, run_step, step_one_chunk
 from shardmuon.runtime.state import (
     adopt_loaded_counts,
@@ -116,21 +116,17 @@ class Muon(Optimizer):
             bf16 results), Gram's restart steps (``None``: after 2, then every 3), and the
             divergence guard (``None``: on for ``"gram"`` only; a device sync per call):
             see ``ops/ns_engine.py``, ``ops/ns_guard.py``.
-        newton_schulz_impl: ``"folded"`` (default), ``"gram"`` (the Gram iteration: fewer
-            FLOPs for wide matrices, see ``ops/gram_newton_schulz.py``), ``"auto"`` (Gram,
-            guarded, for calls with aspect >= 2.5 on CUDA; folded otherwise), ``"per-matrix"`` (``"folded"`` one
-            matrix at a time: bits that do not depend on which matrices share a batch, so
-            the same on any layout, world size and budget), ``"unfolded"`` (dion's bf16
-            recipe, for benchmarks) or ``"compiled"`` (``"folded"`` through
-            ``torch.compile``).
+        newton_schulz_impl: ``"folded"`` (default); ``"gram"`` (fewer FLOPs for wide
+            matrices); ``"auto"`` (Gram for aspect >= 2.5 on CUDA, else folded);
+            ``"per-matrix"`` (folded one matrix at a time: bits independent of the batch,
+            so of the layout and budget); ``"unfolded"`` (dion's recipe) or ``"compiled"``.
         rotate_owners: continue owners round-robin across batches (``False`` for benchmarks).
         split_replicas: for parameters with a replicate mesh dim (HSDP), let one replica
             orthogonalize each batch and broadcast the result to the others, instead of every
             replica repeating it: Newton–Schulz work divided by the replica count, for one
             bf16 broadcast of each rank's result shard over the replicate dim.
         warmup: run :meth:`warmup` at construction.
-        world_mesh, fsdp_mesh_dim: samsja/dion's mesh arguments (prime-rl passes them),
-            accepted and only type-checked, like ``distributed_mesh``.
+        world_mesh, fsdp_mesh_dim: samsja/dion's mesh arguments, type-checked only.
         check_grads: when to verify, with one small all-reduce per group, that the group's
             ranks planned the same batches with the same settings and that a parameter's
             grad is present on all ranks of its group or on none: ``"first"`` step and after
@@ -486,20 +482,13 @@ class Muon(Optimizer):
 
     def _check_agreement(self) -> None:
         """Every group's ranks agree on batches, settings and grads (see ``runtime/agreement.py``)."""
-        plan = self._plan
         settings = self._settings(AGREED_SETTINGS)
         settings["coefficients"] = tuple(map(tuple, self.coefficients))
-        check_agreement(
-            agreement_groups(plan.batches),
-            plan.batches,
-            plan.params,
-            plan.group_of,
-            self.param_groups,
-            settings,
-            self._device(),
-            step_schedule(plan.batches, self.workspace_bytes, self.max_in_flight),
+        schedule = step_schedule(self._plan.batches, self.workspace_bytes, self.max_in_flight)
+        check_plan_agreement(
+            self._plan, self.param_groups, settings, self._device(), schedule,
             compare_grads=self.check_grads != "never",
-        )
+        )  # fmt: skip
 
     @torch.no_grad()
     def orthogonalize_chunk(
@@ -515,16 +504,7 @@ class Muon(Optimizer):
         """
         self._ensure_plan()
         batch, indices = batch_for_directions(self._plan, self.param_groups, params, U, first_owner)
-        segments = batch.segments
-        ctx = self._context()
-        run = BatchRun(batch, segments, receives_from_replica=False)
-        run.buffer = torch.cat([ctx.matrices(i, u.to(torch.bfloat16)) for i, u in zip(indices, U)])
-        results = orthogonalize_run(ctx, run)
-        out, offset = [], 0
-        for seg, u in zip(segments, U):
-            out.append(results[offset : offset + seg.count].reshape(local_tensor(u).shape))
-            offset += seg.count
-        return out
+        return orthogonalize_directions(self._context(), batch, indices, U)
 
     # ----------------------------------------------------------- checkpoints
 

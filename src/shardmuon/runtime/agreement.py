@@ -39,6 +39,7 @@ from shardmuon.planning.placements import ShardGroup
 __all__ = [
     "agreement_groups",
     "check_agreement",
+    "check_plan_agreement",
     "collective_order",
     "first_difference",
 ]
@@ -306,3 +307,18 @@ def check_agreement(
             )
     if errors:
         raise ValueError(errors[0])
+
+
+def check_plan_agreement(
+    plan,
+    param_groups: Sequence[dict],
+    settings: Mapping[str, object],
+    device: torch.device,
+    ops: Sequence[tuple[str, int]],
+    compare_grads: bool = True,
+) -> None:
+    """:func:`check_agreement` over every group a plan (``planning.plan.Plan``) uses."""
+    check_agreement(
+        agreement_groups(plan.batches), plan.batches, plan.params, plan.group_of,
+        param_groups, settings, device, ops, compare_grads=compare_grads,
+    )  # fmt: skip

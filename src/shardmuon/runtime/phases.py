@@ -44,6 +44,7 @@ __all__ = [
     "finish",
     "momentum_views",
     "new_run",
+    "orthogonalize_directions",
     "orthogonalize_run",
     "prepare",
     "step_adamw",
@@ -388,6 +389,24 @@ def orthogonalize_run(ctx: StepContext, run: BatchRun) -> Tensor:
     start_gather(ctx, run)
     compute(ctx, run)
     return _results(ctx, run)
+
+
+def orthogonalize_directions(
+    ctx: StepContext, batch: MuonBatch, indices: list[int], directions: list[Tensor]
+) -> list[Tensor]:
+    """``Muon.orthogonalize_chunk``: the given directions (local tensors shaped like the
+    plan's params ``indices``) through the exchange and Newton–Schulz; bf16 results shaped
+    like them."""
+    run = BatchRun(batch, batch.segments, receives_from_replica=False)
+    run.buffer = torch.cat(
+        [ctx.matrices(i, u.to(torch.bfloat16)) for i, u in zip(indices, directions)]
+    )
+    results = orthogonalize_run(ctx, run)
+    out, offset = [], 0
+    for seg, u in zip(batch.segments, directions):
+        out.append(results[offset : offset + seg.count].reshape(local_tensor(u).shape))
+        offset += seg.count
+    return out
 
 
 def step_batch(ctx: StepContext, run: BatchRun) -> None:
