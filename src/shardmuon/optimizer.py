@@ -19,7 +19,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from shardmuon.ops.newton_schulz import resolve_coefficients
-from shardmuon.ops.ns_engine import NS_IMPLEMENTATIONS, Orthogonalizer, resolve_ns_dtype
+
+# NS_IMPLEMENTATIONS: the table benchmarks patch (``shardmuon.optimizer.NS_IMPLEMENTATIONS``).
+from shardmuon.ops.ns_engine import (  # noqa: F401
+    NS_CHOICES,
+    NS_IMPLEMENTATIONS,
+    Orthogonalizer,
+    resolve_ns_dtype,
+)
 from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.chunks import Chunk, batch_for_directions, chunk_info, communicates
 from shardmuon.planning.placements import local_tensor
@@ -231,7 +238,7 @@ class Muon(Optimizer):
 
     def _check_options(self) -> None:
         """The optimizer-wide settings (public attributes, so checked again before each step)."""
-        check_optimizer_settings(self._settings(), (*NS_IMPLEMENTATIONS, "auto"), OFFLOAD_CHOICES)
+        check_optimizer_settings(self._settings(), NS_CHOICES, OFFLOAD_CHOICES)
 
     # ----------------------------------------------------------------- planning
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from shardmuon.ops.ns_engine import resolve_ns_dtype
 from shardmuon.ops.update import ADJUST_LR_CHOICES
 
 __all__ = [
@@ -250,8 +251,6 @@ def check_optimizer_settings(
         raise ValueError(f"offload_prefetch must be an int >= 1, got {prefetch!r}")
     check_int("offload_prefetch", prefetch, 1, "an int >= 1")
     _check_choice("newton_schulz_impl", settings["newton_schulz_impl"], ns_impls)
-    from shardmuon.ops.ns_engine import resolve_ns_dtype
-
     resolve_ns_dtype(settings["newton_schulz_dtype"])
     restarts = settings["newton_schulz_restarts"]
     if restarts is not None and not (

@@ -24,6 +24,7 @@ from shardmuon.ops.ns_guard import GuardVerdict, guarded
 
 __all__ = [
     "AUTO_GRAM_MIN_ASPECT",
+    "NS_CHOICES",
     "NS_DTYPES",
     "NS_IMPLEMENTATIONS",
     "Orthogonalizer",
@@ -39,6 +40,8 @@ NS_IMPLEMENTATIONS: dict[str, Callable[..., Tensor]] = {
     "per-matrix": newton_schulz_per_matrix,
     "gram": newton_schulz_gram,
 }
+# Every ``newton_schulz_impl`` accepted: the implementations and the rule that picks one.
+NS_CHOICES = (*NS_IMPLEMENTATIONS, "auto")
 # The iteration dtypes, by name; bf16 is the default (dion's).
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Implementations that take an iteration dtype (the others are bf16 recipes).

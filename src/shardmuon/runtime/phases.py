@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardmuon.ops.adamw import adamw_update_
+from shardmuon.ops.ns_engine import Orthogonalizer
 from shardmuon.ops.partitions import orthogonalize_blocks
 from shardmuon.ops.update import direction, momentum_update_, weight_update_
 from shardmuon.planning.batches import MuonBatch, Segment
@@ -52,8 +53,6 @@ __all__ = [
     "update_all_momenta",
 ]
 
-NewtonSchulzFn = Callable[..., Tensor]
-
 
 @dataclass(frozen=True)
 class GroupSettings:
@@ -73,7 +72,7 @@ class StepContext:
     param_groups: list[dict]
     state: dict
     stats: StepStats
-    newton_schulz: NewtonSchulzFn
+    newton_schulz: Orthogonalizer
     coefficients: tuple
     device: torch.device
     workspace_bytes: int | None = None
