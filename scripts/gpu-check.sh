@@ -2,25 +2,32 @@
 # The prepared GPU check, for one call of the device tool (the machine has torch,
 # transformers, rich, matplotlib and pytest, and no network): CUDA tests, then the seed's
 # benchmarks on one GPU. Everything lands under $OUT (default ./gpu-out).
-#   run(command="bash scripts/gpu-check.sh", timeout_s=480)
+#   run(command="bash scripts/gpu-check.sh", timeout_s=500)
+# The per-command caps sum to 480 s (8 minutes); runs end well before them when nothing hangs.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 PY=python3
 $PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
-timeout 150 $PY -m pytest -q -p no:cacheprovider tests/optimizer/test_cuda.py tests/ops/test_newton_schulz.py \
-  tests/optimizer/test_optimizer_api.py tests/runtime/test_offload.py -k "not distributed" 2>&1 | tail -15 \
+timeout 90 $PY -m pytest -q -p no:cacheprovider tests/optimizer/test_cuda.py tests/ops/test_newton_schulz.py \
+  tests/optimizer/test_optimizer_api.py tests/runtime/test_offload.py tests/ops/test_gram_newton_schulz.py \
+  -k "not distributed" 2>&1 | tail -15 \
   | tee "$OUT/tests.txt"
 B="$PY -m shardmuon"
-# Newton-Schulz per call on the seed's H200 shapes (the GPU default of bench ns).
-timeout 120 $B bench ns --presets dion,deepseek-v4 --json "$OUT/ns.json" | tee "$OUT/ns.txt"
+# Newton-Schulz per call on the seed's H200 shapes (the GPU default of bench ns): folded
+# vs unfolded in bf16, and standard vs Gram (issue #23) in bf16, fp16 and fp32.
+timeout 110 $B bench ns --presets dion,deepseek-v4 --dtypes bf16,fp16,fp32 --json "$OUT/ns.json" \
+  | tee "$OUT/ns.txt"
 # One-GPU optimizer step on real-model shapes (multi-rank runs need several GPUs).
-timeout 120 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
+timeout 75 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
   --json "$OUT/step-qwen3.json" | tee "$OUT/step-qwen3.txt"
 # Optimizer-state offload (issue #11): the same step with the state in pinned host memory,
 # streamed chunk by chunk, beside the state on the GPU.
-timeout 150 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
+timeout 90 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
   --impl shardmuon --offload none,state --json "$OUT/step-offload.json" \
   | tee "$OUT/step-offload.txt"
-timeout 60 $B bench ab --model tiny-moe --steps 5 --json "$OUT/ab.json" | tee "$OUT/ab.txt"
+# The whole step, standard vs Gram engine (bf16) in one run.
+timeout 75 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
+  --impl shardmuon,shardmuon-gram --json "$OUT/step-gram.json" | tee "$OUT/step-gram.txt"
+timeout 40 $B bench ab --model tiny-moe --steps 5 --json "$OUT/ab.json" | tee "$OUT/ab.txt"

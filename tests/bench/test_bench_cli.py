@@ -21,6 +21,7 @@ from shardmuon.bench.report import TABLE_WIDTH
 from shardmuon.cli import _default_bench_command, build_parser, main
 from shardmuon.harness.models import MODEL_PRESETS, build_model, param_shapes
 from shardmuon.harness.parallel import plan_layout
+from shardmuon.ops.gram_newton_schulz import gram_flops, standard_flops
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -62,7 +63,8 @@ def test_ns_writes_json_and_png(tmp_path, capsys):
     out, png = tmp_path / "ns.json", tmp_path / "ns.png"
     rc = main(
         ["bench", "ns", "--shapes", "3x16x40,40x24", "--coefficients", "dion,deepseek-v4",
-         "--repeats", "1", "--threads", "1", "--json", str(out), "--plot", str(png), "--no-progress"]
+         "--dtypes", "bf16,fp32", "--repeats", "1", "--threads", "1", "--json", str(out),
+         "--plot", str(png), "--no-progress"]
     )  # fmt: skip
     assert rc == 0
     printed = capsys.readouterr()
@@ -92,6 +94,25 @@ def test_ns_writes_json_and_png(tmp_path, capsys):
     first = rows[0]
     flops = 3 * 5 * (4 * 16 * 16 * 40 + 2 * 16**3)
     assert first["folded_tflops"] == pytest.approx(flops / (first["folded_ms"] / 1e3) / 1e12)
+    # One standard-vs-Gram row per shape, preset and dtype, FLOPs counted from the shapes.
+    engines = data["engines"]
+    assert [(r["shape"], r["preset"], r["dtype"]) for r in engines] == [
+        (shape, preset, dtype)
+        for preset in ("dion", "deepseek-v4")
+        for shape in ([3, 16, 40], [40, 24])
+        for dtype in ("bf16", "fp32")
+    ]
+    for r in engines:
+        m, n = sorted(r["shape"][-2:])
+        batch = r["shape"][0] if len(r["shape"]) == 3 else 1
+        steps = {"dion": 5, "deepseek-v4": 10}[r["preset"]]
+        assert r["standard_flops"] == batch * standard_flops(m, n, steps)
+        assert r["gram_flops"] == batch * gram_flops(m, n, steps, r["gram_restarts"])
+        assert r["gram_flops_ratio"] < 1
+        assert r["gram_guard_checked"] == batch and r["gram_guard_fallbacks"] == 0
+        # fp32 is ~1e-6 from the fp64 iteration, bf16 ~1e-2.
+        bound = 1e-4 if r["dtype"] == "fp32" else 0.05
+        assert 0 < r["rel_error_standard"] < bound and 0 < r["rel_error_gram"] < bound
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
@@ -173,7 +194,7 @@ def test_ab_is_close_to_fp64_muon(tmp_path, capsys):
     _check_printed_table(capsys.readouterr().out, ["step N", "noise floor"])
     data = json.loads(out.read_text())
     rows = {(r["preset"], r["newton_schulz_impl"]): r for r in data["results"]}
-    assert set(rows) == {("dion", "folded"), ("dion", "unfolded")}
+    assert set(rows) == {("dion", "folded"), ("dion", "unfolded"), ("dion", "gram")}
     for r in rows.values():
         assert len(r["vs_fp64"]) == len(r["noise_floor"]) == 2
         # A wrong scale, sign, momentum or partition in either Muon would be off by O(1).
@@ -187,6 +208,7 @@ def test_ab_is_close_to_fp64_muon(tmp_path, capsys):
     [
         (["bench", "ns", "--shapes", "8xfoo"], "bad shape '8xfoo'"),
         (["bench", "ns", "--coefficients", "dion,nope"], "bad --coefficients"),
+        (["bench", "ns", "--dtypes", "bf16,int8"], "bad --dtypes 'bf16,int8'; accepted"),
         (["bench", "ab", "--coefficients", "nope"], "bad --coefficients 'nope'"),
         (["bench", "step", "--nproc", "3", "--layout", "hsdp", "--mesh", "2x2"], "has 4 ranks"),
         (["bench", "step", "--nproc", "2", "--impl", "torch-muon"], "--impl torch-muon"),

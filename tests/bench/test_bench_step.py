@@ -20,10 +20,10 @@ import shardmuon.optimizer as optimizer_module
 from shardmuon import Muon
 from shardmuon.bench.common import name_seed, relative_difference
 from shardmuon.bench.launch import RankContext
-from shardmuon.bench.optimizers import DEFAULT_OFF, IMPLEMENTATIONS, fsdp_mesh
+from shardmuon.bench.optimizers import DEFAULT_OFF, IMPLEMENTATIONS, fsdp_mesh, make_optimizer
 from shardmuon.bench.step import parse_impls
 from shardmuon.bench.step_summary import summarize
-from shardmuon.bench.step_worker import replay_newton_schulz, run_order
+from shardmuon.bench.step_worker import StepConfig, replay_newton_schulz, run_order
 from shardmuon.cli import main
 from shardmuon.harness.models import build_model, param_shapes
 from shardmuon.harness.parallel import apply_layout
@@ -157,14 +157,16 @@ class _Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
         self.grad_enabled: list[bool] = []
+        self.keywords: list[dict] = []
 
-    def __call__(self, X, coefficients, eps):
+    def __call__(self, X, coefficients, eps, **keywords):
         self.calls.append((tuple(X.shape), X.dtype, coefficients, eps))
         self.grad_enabled.append(torch.is_grad_enabled())
+        self.keywords.append(keywords)
         return X
 
 
-@pytest.mark.parametrize("impl", ["folded", "unfolded"])
+@pytest.mark.parametrize("impl", ["folded", "unfolded", "gram"])
 def test_replay_makes_the_steps_newton_schulz_calls(impl, monkeypatch):
     torch.manual_seed(0)
     # A fused gate_up stack (two partition blocks), a tall and a wide matrix, two of a shape.
@@ -199,6 +201,9 @@ def test_replay_makes_the_steps_newton_schulz_calls(impl, monkeypatch):
         assert coefficients == opt.coefficients
         assert eps == pytest.approx(1e-7)
     assert not any(recorder.grad_enabled)  # as in the step: no autograd
+    # The optimizer's own engine: Gram gets its dtype and restarts as in the step.
+    expected = {"restarts": None} if impl == "gram" else {}
+    assert recorder.keywords == [expected] * len(recorder.calls)
     # Every Muon element once; the partitioned stack as 4-row blocks, never as [8, 6].
     assert sum(b * r * c for b, r, c in calls) == 3 * 8 * 6 + 12 * 5 + 2 * 5 * 12
     assert not any(8 in (r, c) for _, r, c in calls)
@@ -218,6 +223,24 @@ def _rank(steps, ns_times, calls=((2, 4, 4),), **traffic):
     )  # fmt: skip
     figures.update(traffic)
     return figures
+
+
+def test_ns_impl_and_dtype_flags_set_every_shardmuon_impls_engine():
+    cfg = StepConfig(
+        model="tiny-moe", layers=1, vocab_size=None, layout="none", mesh_shape=None, steps=2,
+        impls=("shardmuon", "shardmuon-gram"), coefficients="dion", lr=0.02, seed=0,
+        progress=False, ns_impl="gram", ns_dtype="fp16",
+    )  # fmt: skip
+    assert cfg.ns_options() == {"newton_schulz_impl": "gram", "newton_schulz_dtype": "float16"}
+    model = build_model("tiny-moe", num_layers=1)
+    for impl in cfg.impls:
+        opt = make_optimizer(
+            impl, model, model_name="tiny-moe", lr=0.02, coefficients="dion",
+            expert_mesh_name=None, meshes={}, shardmuon_overrides=cfg.ns_options(),
+        )  # fmt: skip
+        assert (opt.newton_schulz_impl, opt.newton_schulz_dtype) == ("gram", "float16")
+    default = StepConfig(**{**cfg.__dict__, "ns_impl": None, "ns_dtype": None})
+    assert default.ns_options() == {}
 
 
 def test_summary_pools_passes_and_divides_by_each_ranks_own_newton_schulz():

@@ -343,7 +343,7 @@ def test_ab_plot_has_integer_steps_and_a_legend_over_no_line(tmp_path, saved_fig
     ticks = [t for t in ax.get_xticks() if low <= t <= high]
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
     lines = [line for line in ax.get_lines() if len(line.get_xdata())]
-    assert len(lines) == 8  # 4 variants: the difference and its noise floor
+    assert len(lines) == 10  # 5 variants (3 folded, unfolded, Gram): difference, noise floor
     (legend,) = _legends(fig)
     box = legend.get_window_extent(renderer)
     covered = {line.get_label(): _points_in_box(line, box) for line in lines}

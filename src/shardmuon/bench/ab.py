@@ -42,6 +42,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("dion", "folded"),
     ("deepseek-v4", "folded"),
     ("dion", "unfolded"),
+    ("dion", "gram"),
 )
 MU = 0.95
 WEIGHT_DECAY = 0.1
@@ -185,8 +186,8 @@ def add_parser(subparsers) -> None:
         type=str,
         default=None,
         help="comma-separated Newton-Schulz coefficient presets for the folded rows, among "
-        f"{', '.join(NS_PRESETS)} (default: dion,deepseek-v4; dion's unfolded recipe is "
-        "always added)",
+        f"{', '.join(NS_PRESETS)} (default: dion,deepseek-v4; dion's unfolded recipe "
+        "and Gram rows are always added)",
     )
     add_hidden_alias(p, "--presets", "coefficients", type=str)
     p.add_argument("--lr", type=float, default=0.02, help="learning rate")
@@ -206,7 +207,7 @@ def _rows(presets: str | None) -> list[tuple[str, str]]:
             f"bad --coefficients {presets!r}; accepted: a comma-separated subset of "
             f"{', '.join(NS_PRESETS)}"
         )
-    return [(n, "folded") for n in dict.fromkeys(names)] + [("dion", "unfolded")]
+    return [(n, "folded") for n in dict.fromkeys(names)] + [("dion", "unfolded"), ("dion", "gram")]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,11 +7,27 @@ import math
 import zlib
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from shardmuon.harness.cli_support import LAYERS_HELP
 
-__all__ = ["add_model_arguments", "add_output_arguments", "name_seed", "relative_difference"]
+__all__ = [
+    "DTYPES",
+    "DTYPE_NAMES",
+    "add_model_arguments",
+    "add_output_arguments",
+    "name_seed",
+    "relative_difference",
+]
+
+# Newton-Schulz iteration dtypes by the short names the benchmarks' flags take.
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def name_seed(*parts: object) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shardmuon.bench.common import add_output_arguments, relative_difference
+from shardmuon.bench.common import DTYPE_NAMES, DTYPES, add_output_arguments, relative_difference
 from shardmuon.bench.report import (
     fmt,
     median_time,
@@ -102,6 +102,17 @@ def parse_presets(text: str) -> list[str]:
     return names
 
 
+def parse_dtypes(text: str) -> list[torch.dtype]:
+    """Parse ``"bf16,fp16"``; raises ``ValueError`` naming what is accepted."""
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in DTYPES]
+    if not names or unknown:
+        raise ValueError(
+            f"bad --dtypes {text!r}; accepted: a comma-separated subset of {', '.join(DTYPES)}"
+        )
+    return [DTYPES[n] for n in names]
+
+
 def _dims(shape: tuple[int, ...]) -> tuple[int, int, int]:
     batch = shape[0] if len(shape) == 3 else 1
     m, n = sorted(shape[-2:])
@@ -123,12 +134,26 @@ def gemm_flops(shape: tuple[int, ...]) -> float:
     return 2.0 * batch * m * m * n
 
 
-def measure_shape(
-    shape: tuple[int, ...], preset: str, device: torch.device, repeats: int, seed: int
-) -> dict[str, Any]:
-    """All figures of one (shape, preset) row; see the module docstring."""
+def _input_and_reference(
+    shape: tuple[int, ...], preset: str, device: torch.device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded fp32 Gaussian input of ``shape`` and its fp64 Newton-Schulz result."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     G = torch.randn(shape, generator=gen, dtype=torch.float32).to(device)
+    return G, newton_schulz_reference(G, preset)
+
+
+def measure_shape(
+    shape: tuple[int, ...],
+    preset: str,
+    device: torch.device,
+    repeats: int,
+    seed: int,
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """All figures of one (shape, preset) row; see the module docstring. ``reference``:
+    :func:`_input_and_reference`'s pair, when the caller has it already."""
+    G, ref = reference or _input_and_reference(shape, preset, device, seed)
     iterations = len(NS_PRESETS[preset])
     folded_s = median_time(lambda: newton_schulz(G, preset), device, repeats)
     unfolded_s = median_time(lambda: newton_schulz_unfolded(G, preset), device, repeats)
@@ -137,13 +162,7 @@ def measure_shape(
         X = X.mT
     Xt = X.mT.contiguous()
     gemm_s = median_time(lambda: torch.bmm(X, Xt), device, repeats)
-    gram_s = median_time(lambda: newton_schulz_gram(G, preset), device, repeats)
-    ref = newton_schulz_reference(G, preset)
     flops = newton_schulz_flops(shape, iterations)
-    _, m, n = _dims(shape)
-    restarts = default_restarts(iterations)
-    gram_out = newton_schulz_gram(G, preset)
-    _, verdict = guarded(G, lambda _: gram_out, preset, 1e-8)
     gemm_rate = gemm_flops(shape) / gemm_s
     folded_rate = flops / folded_s
     return {
@@ -159,11 +178,41 @@ def measure_shape(
         "fraction_of_gemm": folded_rate / gemm_rate,
         "rel_error_folded": relative_difference(newton_schulz(G, preset), ref),
         "rel_error_unfolded": relative_difference(newton_schulz_unfolded(G, preset), ref),
+    }
+
+
+def measure_engine(
+    shape: tuple[int, ...],
+    preset: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int,
+    seed: int,
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """The standard and the Gram iteration (its default restarts) in ``dtype`` on one
+    (shape, preset): time, exact FLOPs, error against fp64, and the guard's verdict on Gram."""
+    G, ref = reference or _input_and_reference(shape, preset, device, seed)
+    iterations = len(NS_PRESETS[preset])
+    _, m, n = _dims(shape)
+    restarts = default_restarts(iterations)
+    standard_s = median_time(lambda: newton_schulz(G, preset, dtype=dtype), device, repeats)
+    gram_s = median_time(lambda: newton_schulz_gram(G, preset, dtype=dtype), device, repeats)
+    gram_out = newton_schulz_gram(G, preset, dtype=dtype)
+    _, verdict = guarded(G, lambda _: gram_out, preset, 1e-8)
+    return {
+        "shape": list(shape),
+        "preset": preset,
+        "dtype": DTYPE_NAMES[dtype],
+        "standard_ms": standard_s * 1e3,
         "gram_ms": gram_s * 1e3,
         "gram_restarts": list(restarts),
-        "gram_time_ratio": gram_s / folded_s,
+        "gram_time_ratio": gram_s / standard_s,
+        "standard_flops": standard_flops(m, n, iterations) * _dims(shape)[0],
+        "gram_flops": gram_flops(m, n, iterations, restarts) * _dims(shape)[0],
         "gram_flops_ratio": gram_flops(m, n, iterations, restarts)
         / standard_flops(m, n, iterations),
+        "rel_error_standard": relative_difference(newton_schulz(G, preset, dtype=dtype), ref),
         "rel_error_gram": relative_difference(gram_out, ref),
         "gram_guard_checked": verdict.checked,
         "gram_guard_fallbacks": verdict.fallbacks,
@@ -194,6 +243,13 @@ def add_parser(subparsers) -> None:
         help=f"comma-separated Newton-Schulz coefficient presets among {', '.join(NS_PRESETS)}",
     )
     add_hidden_alias(p, "--presets", "coefficients", type=str)
+    p.add_argument(
+        "--dtypes",
+        type=str,
+        default="bf16",
+        help="comma-separated iteration dtypes of the standard-vs-Gram table, among "
+        f"{', '.join(DTYPES)} (fp16 GEMMs are slow on CPUs without AVX512-FP16/AMX-FP16)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed calls per figure (median)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random input matrices")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -227,19 +283,32 @@ def run(args: argparse.Namespace) -> int:
     else:
         shapes = parse_shapes(args.shapes)
     presets = parse_presets(args.coefficients)
+    dtypes = parse_dtypes(args.dtypes)
 
     rows: list[dict[str, Any]] = []
+    engines: list[dict[str, Any]] = []
     with new_progress(not args.no_progress) as progress:
         task = (
-            progress.add_task("Newton-Schulz", total=len(shapes) * len(presets))
+            progress.add_task("Newton-Schulz", total=len(shapes) * len(presets) * (1 + len(dtypes)))
             if progress
             else None
         )
         for preset in presets:
             for shape in shapes:
-                rows.append(measure_shape(shape, preset, device, args.repeats, args.seed))
+                reference = _input_and_reference(shape, preset, device, args.seed)
+                rows.append(
+                    measure_shape(shape, preset, device, args.repeats, args.seed, reference)
+                )
                 if progress:
                     progress.advance(task)
+                for dtype in dtypes:
+                    engines.append(
+                        measure_engine(
+                            shape, preset, dtype, device, args.repeats, args.seed, reference
+                        )
+                    )
+                    if progress:
+                        progress.advance(task)
 
     # One table per preset keeps the table narrow enough for 80 columns.
     for preset in presets:
@@ -273,18 +342,31 @@ def run(args: argparse.Namespace) -> int:
         )
     for preset in presets:
         print_table(
-            f"Gram Newton-Schulz per call, {preset} coefficients ({device.type})",
-            ["shape", "gram\nms", "time\n÷ fold", "FLOPs\n÷ std", "err\ngram", "guard"],
+            f"Standard vs Gram Newton-Schulz per call, {preset} coefficients ({device.type})",
+            [
+                "shape",
+                "",
+                "std\nms",
+                "gram\nms",
+                "time\n÷std",
+                "FLOPs\n÷std",
+                "err\nstd",
+                "err\ngram",
+                "re-\ndone",
+            ],
             [
                 [
                     "x".join(map(str, r["shape"])),
-                    fmt(r["gram_ms"], ".2f"),
+                    r["dtype"],
+                    fmt(r["standard_ms"], ".1f"),
+                    fmt(r["gram_ms"], ".1f"),
                     fmt(r["gram_time_ratio"], ".2f"),
                     fmt(r["gram_flops_ratio"], ".3f"),
-                    fmt(100 * r["rel_error_gram"], ".2f", "%"),
-                    f"{r['gram_guard_fallbacks']}/{r['gram_guard_checked']} redone",
+                    fmt(r["rel_error_standard"], ".1e"),
+                    fmt(r["rel_error_gram"], ".1e"),
+                    f"{r['gram_guard_fallbacks']}/{r['gram_guard_checked']}",
                 ]
-                for r in rows
+                for r in engines
                 if r["preset"] == preset
             ],
         )
@@ -292,11 +374,11 @@ def run(args: argparse.Namespace) -> int:
         [
             ("folded / unfolded ms", "one call of shardmuon's Newton-Schulz / dion's recipe"),
             (
-                "gram",
-                "newton_schulz_impl='gram', its default restart; time and exact FLOPs "
-                "over the folded / standard iteration's",
+                "std / gram",
+                "newton_schulz_impl='folded' / 'gram' (its default restarts) in that dtype; "
+                "time and exact FLOPs (restarts counted) of Gram over the standard's",
             ),
-            ("guard", "matrices the divergence guard recomputed in fp32, of those checked"),
+            ("redone", "Gram's matrices the divergence guard would recompute, of those checked"),
             ("speed-up", "unfolded time over folded time"),
             ("TFLOP/s", "folded: batch x iterations x (4 m^2 n + 2 m^3) FLOPs per call"),
             ("of GEMM", "that rate over a plain bf16 X X^T GEMM on the same shape"),
@@ -305,7 +387,11 @@ def run(args: argparse.Namespace) -> int:
     )
     where = _device_label(device)
     write_outputs(
-        args, "ns", {"results": rows}, lambda ax: _draw(ax, rows, where), "Newton-Schulz per call"
+        args,
+        "ns",
+        {"results": rows, "engines": engines},
+        lambda ax: _draw(ax, rows, where),
+        "Newton-Schulz per call",
     )
     return 0
 

@@ -90,8 +90,12 @@ def make_optimizer(
     coefficients: str,
     expert_mesh_name: str | None,
     meshes: dict[str, Any],
+    shardmuon_overrides: dict[str, Any] | None = None,
 ):
     """Implementation ``impl`` (one of :data:`IMPLEMENTATIONS`) over ``model``'s params.
+
+    ``shardmuon_overrides``: ``MuonConfig`` fields set on top of a shardmuon impl's own
+    (``bench step --ns-impl/--ns-dtype``); the other implementations ignore them.
 
     ``meshes``: the meshes the layout built, by name (:class:`shardmuon.harness.parallel.AppliedLayout`);
     only ``dion`` reads them.
@@ -109,7 +113,7 @@ def make_optimizer(
             nesterov=True,
             weight_decay=WEIGHT_DECAY,
             newton_schulz_coefficients=coefficients,
-            **options,
+            **{**options, **(shardmuon_overrides or {})},
         )
         return build_optimizer(model, config, expert_mesh_name=expert_mesh_name, **dims)
     routed = build_param_groups(

@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 import torch
 
-from shardmuon.bench.common import add_model_arguments, add_output_arguments
+from shardmuon.bench.common import DTYPES, add_model_arguments, add_output_arguments
 from shardmuon.bench.launch import launch, torchrun_world_size
 from shardmuon.bench.optimizers import (
     DEFAULT_OFF,
@@ -39,6 +39,7 @@ from shardmuon.harness.cli_support import (
 )
 from shardmuon.harness.parallel import LAYOUTS, parse_mesh_shape
 from shardmuon.ops.newton_schulz import NS_PRESETS
+from shardmuon.ops.ns_engine import NS_CHOICES
 
 DEFAULT_MODEL = "tiny-moe"
 
@@ -183,6 +184,19 @@ def add_parser(subparsers) -> None:
     )
     add_hidden_alias(p, "--preset", "coefficients", choices=sorted(NS_PRESETS))
     p.add_argument(
+        "--ns-impl",
+        choices=NS_CHOICES,
+        default=None,
+        help="Newton-Schulz implementation of every shardmuon impl (default: each impl's own; "
+        "shardmuon-gram is 'gram')",
+    )
+    p.add_argument(
+        "--ns-dtype",
+        choices=tuple(DTYPES),
+        default=None,
+        help="Newton-Schulz iteration dtype of every shardmuon impl (default: bf16)",
+    )
+    p.add_argument(
         "--offload",
         default="none",
         # Each choice once; both together are a comma-separated list, as --impl takes.
@@ -252,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         order=args.order,
         ns_repeats=args.ns_repeats,
+        ns_impl=args.ns_impl,
+        ns_dtype=args.ns_dtype,
     )
     needs_group = world > 1 or args.layout != "none"
     out = launch(worker, cfg, world, threads=args.threads, needs_process_group=needs_group)

@@ -116,7 +116,14 @@ def print_results(rows: list[dict], cfg, out: dict, skipped: dict[str, str]) -> 
     steps = f"steps 2..{cfg.steps}" + (
         " of both passes (ABBA order)" if cfg.order == "abba" else ""
     )
-    caption = f"Median over {steps}, max over ranks; Newton-Schulz coefficients {cfg.coefficients}."
+    engine = ", ".join(
+        f"{k.removeprefix('newton_schulz_')} {v}" for k, v in cfg.ns_options().items()
+    )
+    caption = (
+        f"Median over {steps}, max over ranks; Newton-Schulz coefficients {cfg.coefficients}"
+        + (f" ({engine} in every shardmuon impl)" if engine else "")
+        + "."
+    )
     spread_lines = _spread_lines(rows)
     if spread_lines:
         caption += "\nstep ÷ NS at each timed step (max over ranks):\n" + "\n".join(spread_lines)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardmuon.bench.common import name_seed
+from shardmuon.bench.common import DTYPES, name_seed
 from shardmuon.bench.launch import RankContext
 from shardmuon.bench.memory import StepMemory, live_bytes, measure_cpu_step
 from shardmuon.bench.optimizers import make_optimizer, shardmuon_options
@@ -47,6 +47,18 @@ class StepConfig:
     progress: bool
     order: str = "sequential"
     ns_repeats: int = 5
+    # Newton-Schulz engine of every shardmuon impl (``None``: each impl's own).
+    ns_impl: str | None = None
+    ns_dtype: str | None = None
+
+    def ns_options(self) -> dict[str, str]:
+        """The ``Muon`` keywords that ``ns_impl`` / ``ns_dtype`` set (``--ns-impl/--ns-dtype``)."""
+        options = {}
+        if self.ns_impl is not None:
+            options["newton_schulz_impl"] = self.ns_impl
+        if self.ns_dtype is not None:
+            options["newton_schulz_dtype"] = str(DTYPES[self.ns_dtype]).removeprefix("torch.")
+        return options
 
 
 def run_order(impls: tuple[str, ...] | list[str], order: str) -> list[str]:
@@ -104,20 +116,13 @@ def replay_newton_schulz(
 
     ``calls``: ``last_step_stats.ns_calls`` of a step of ``opt`` (a ``shardmuon.Muon``),
     the ``(batch, rows, cols)`` of every call in order. Each is made again, in that order,
-    with the implementation the step used (``NS_IMPLEMENTATIONS[opt.newton_schulz_impl]``),
-    the optimizer's coefficients and eps, on random bf16 inputs of those shapes (one input
+    with the optimizer's own Newton–Schulz engine (implementation, dtype, restarts, guard),
+    coefficients and eps, on random bf16 inputs of those shapes (one input
     per call, made beforehand), without autograd. Every replay starts after a barrier, so
     all ranks run theirs at the same time, as in the step; a rank with no calls still joins
     the barriers.
     """
-    from shardmuon.ops.ns_engine import NS_IMPLEMENTATIONS, auto_choice
-
-    def implementation(X, coefficients, eps):
-        name = opt.newton_schulz_impl
-        if name == "auto":
-            name = auto_choice(X.shape, X.device.type)
-        return NS_IMPLEMENTATIONS[name](X, coefficients, eps)
-
+    implementation = opt._orthogonalizer()
     eps = float(opt.defaults["epsilon"])
     gen = torch.Generator(device=ctx.device).manual_seed(name_seed("ns", ctx.rank))
     inputs = [
@@ -166,6 +171,7 @@ def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, bar: 
         model_name=cfg.model,
         lr=cfg.lr,
         coefficients=cfg.coefficients,
+        shardmuon_overrides=cfg.ns_options(),
         expert_mesh_name=layout.expert_mesh_name,
         meshes=layout.meshes,
     )
