@@ -120,7 +120,8 @@ class Muon(Optimizer):
             (the chunk being stepped and the ones loading ahead of it); default 2.
         newton_schulz_dtype, newton_schulz_restarts, newton_schulz_guard: the iteration's
             dtype (``"bfloat16"`` default, ``"float16"``, ``"float32"``; fp32 normalisation,
-            bf16 results), Gram's restart steps (``None``: after 2, then every 3), and the
+            bf16 results; bf16 Gram runs its GEMMs in fp16 on CUDA, fp32 elsewhere), Gram's
+            restart steps (``None``: after 2, then every 3), and the
             divergence guard (``None``: on for ``"gram"`` only; a device sync per call):
             see ``ops/ns_engine.py``, ``ops/ns_guard.py``.
         newton_schulz_impl: ``"folded"`` (default); ``"gram"`` (fewer FLOPs for wide

@@ -29,8 +29,8 @@ def test_newton_schulz_on_cuda_is_close_to_fp64(shape: tuple[int, ...]) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(8, 256, 1024), (4, 352, 1024), (512, 1408)])
 def test_gram_on_cuda_meets_the_error_targets_without_the_guard_firing(shape, dtype) -> None:
-    """cuBLAS kernels, not the CPU's: fp16 Gram at most the standard bf16 error, bf16 Gram
-    within 2.3x of it, and the guard quiet on Gaussian inputs."""
+    """cuBLAS kernels, not the CPU's: Gram in fp16, and in bf16 (its GEMMs in fp16 on CUDA),
+    at most the standard bf16 error; the guard quiet on Gaussian inputs."""
     from shardmuon.ops.gram_newton_schulz import newton_schulz_gram
     from shardmuon.ops.ns_guard import guarded
 
@@ -42,7 +42,7 @@ def test_gram_on_cuda_meets_the_error_targets_without_the_guard_firing(shape, dt
 
     standard = error(newton_schulz(G.cuda()))
     gram = newton_schulz_gram(G.cuda(), "dion", dtype=dtype)
-    assert error(gram) <= (1.0 if dtype == torch.float16 else 2.3) * standard
+    assert error(gram) <= standard
     _, verdict = guarded(
         G.cuda(), lambda X: newton_schulz_gram(X, "dion", dtype=dtype), "dion", 1e-8
     )

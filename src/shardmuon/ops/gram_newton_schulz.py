@@ -17,7 +17,13 @@ and resets ``Q = I``, flushing the drift for two ``m x n`` GEMMs. ``R`` is not u
 the last step, nor before a restart (it is recomputed).
 
 The normalisation is the standard iteration's (fp32, overflow-safe, non-finite matrices
-zeroed); ``dtype`` is the iteration's (bf16, fp16 or fp32; GEMMs accumulate in fp32).
+zeroed). ``dtype`` (bf16, fp16 or fp32) is what ``X`` is held in: the normalised input,
+each restart's ``X_k`` and the result. The GEMMs run in ``gemm_dtype`` (accumulating in
+fp32): by default ``dtype`` itself, except that bf16 runs them in fp16 on CUDA (as fast)
+and in fp32 elsewhere. Measured (``scripts/gram_error.py``): with its GEMMs in bf16, the
+rounding of ``P = a I + b R + c R^2`` (a diagonal near ``a``, rounded to 8 bits) and of
+``Q`` gives 1.8-2.2x the standard bf16 iteration's error; with them in fp16 or fp32, X held
+in bf16, 0.55-0.85x.
 """
 
 from __future__ import annotations
@@ -36,22 +42,37 @@ from shardmuon.ops.newton_schulz import (
     resolve_coefficients,
 )
 
-__all__ = ["default_restarts", "gram_flops", "newton_schulz_gram", "standard_flops"]
+__all__ = [
+    "default_restarts",
+    "gram_flops",
+    "gram_gemm_dtype",
+    "newton_schulz_gram",
+    "standard_flops",
+]
 
 # The steps after which Gram restarts by default: after step 2, then every 3 steps
 # (dion's 5 steps: (2,); DeepSeek-V4's 10: (2, 5, 8)), whatever the dtype. Chosen by
 # ``python scripts/gram_error.py`` (docs/benchmarks.md, "Gram Newton–Schulz"): without
-# restarts bf16 diverges on log-spaced and low-rank inputs (10^2-10^3 x the error); one
-# restart after step 2 brings dion's schedule to 0.9-2.2x the standard bf16 iteration's
-# error for 0.67x its FLOPs at aspect 4 (a second one, after step 4, gains under 10% for
-# 0.78x); a 10-step schedule needs one every 3 steps in fp16, and diverges in bf16 anyway
-# (the guard recomputes those matrices).
+# restarts bf16 GEMMs diverge on log-spaced and low-rank inputs (10^2-10^3 x the error);
+# one restart after step 2 brought dion's schedule to 0.9-2.2x the standard bf16
+# iteration's error for 0.67x its FLOPs at aspect 4 (a second one, after step 4, gains
+# under 10% for 0.78x); a 10-step schedule needs one every 3 steps in fp16, and diverges
+# with bf16 GEMMs anyway (the guard recomputes those matrices).
 FIRST_RESTART, RESTART_EVERY = 2, 3
 
 
 def default_restarts(steps: int) -> tuple[int, ...]:
     """The default restart steps for a schedule of ``steps`` iterations."""
     return tuple(range(FIRST_RESTART, steps, RESTART_EVERY))
+
+
+def gram_gemm_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype :func:`newton_schulz_gram`'s GEMMs run in by default for ``dtype``: bf16's
+    in fp16 on CUDA (tensor cores run both at one speed) and in fp32 elsewhere (CPUs rarely
+    have fast fp16 GEMMs); fp16 and fp32 in themselves."""
+    if dtype != torch.bfloat16:
+        return dtype
+    return torch.float16 if device_type == "cuda" else torch.float32
 
 
 def newton_schulz_gram(
@@ -61,13 +82,15 @@ def newton_schulz_gram(
     *,
     restarts: Sequence[int] | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    gemm_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Orthogonalize each matrix of ``G[..., m, n]`` by the Gram iteration; ``dtype`` out.
 
     ``restarts``: the steps (1-based) after which to restart; ``None``: the default
-    (:func:`default_restarts`), ``()``: none. Square matrices run the standard
-    iteration in ``dtype``. Tall matrices are transposed so that the Gram side is the short
-    one.
+    (:func:`default_restarts`), ``()``: none. ``gemm_dtype``: what the GEMMs run in
+    (``None``: :func:`gram_gemm_dtype`); ``X`` is held in ``dtype``. Square matrices run
+    the standard iteration in ``dtype``. Tall matrices are transposed so that the Gram side
+    is the short one.
     """
     _check_matrix(G)
     coeffs = resolve_coefficients(coefficients)
@@ -82,7 +105,10 @@ def newton_schulz_gram(
     if m == n:
         out = newton_schulz(G, coeffs, eps, dtype=dtype)
         return out
-    base = normalized(X, eps, dtype)
+    chain = gram_gemm_dtype(dtype, X.device.type) if gemm_dtype is None else gemm_dtype
+    # X_k is rounded to ``dtype`` (as the standard iteration holds it), its GEMMs run in
+    # ``chain``; the cast is a no-op when the two agree.
+    base = normalized(X, eps, dtype).to(chain)
     R = torch.bmm(base, base.mT)
     Q: Tensor | None = None  # None: the identity
     steps = len(coeffs)
@@ -93,12 +119,12 @@ def newton_schulz_gram(
         if k == steps:
             break
         if k in restarts:
-            base = torch.bmm(Q, base)
+            base = torch.bmm(Q, base).to(dtype).to(chain)
             R = torch.bmm(base, base.mT)
             Q = None
         else:
             R = torch.bmm(P, torch.bmm(P, R))
-    X = base if Q is None else torch.bmm(Q, base)
+    X = (base if Q is None else torch.bmm(Q, base)).to(dtype)
     X = X.reshape(shape)
     return X.mT if transposed else X
 
