@@ -21,10 +21,12 @@ import time
 
 import torch
 
+from shardmuon.bench.matrices import INPUT_KINDS, make_input
+from shardmuon.bench.matrices import relative_error as error
 from shardmuon.ops.gram_newton_schulz import gram_flops, newton_schulz_gram, standard_flops
 from shardmuon.ops.newton_schulz import newton_schulz, newton_schulz_reference, resolve_coefficients
 
-KINDS = ("gaussian", "logspaced", "lowrank")
+KINDS = INPUT_KINDS
 ASPECTS = (1.0, 2.0, 2.7, 4.0, 8.0)
 SCHEDULES = ((), (2,), (3,), (2, 4))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -38,28 +40,6 @@ GRAM_VARIANTS = {
     "fp16": (torch.float16, None),
     "fp32": (torch.float32, None),
 }
-
-
-def make_input(kind: str, m: int, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if kind == "gaussian":
-        return torch.randn(m, n, generator=g, dtype=torch.float64)
-    u, _ = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=torch.float64))
-    v, _ = torch.linalg.qr(torch.randn(n, m, generator=g, dtype=torch.float64))
-    if kind == "logspaced":
-        s = torch.logspace(-4, 0, m, dtype=torch.float64)
-        return u @ torch.diag(s) @ v.T
-    rank = max(1, m // 8)
-    s = torch.zeros(m, dtype=torch.float64)
-    s[:rank] = 1.0
-    return u @ torch.diag(s) @ v.T + 1e-3 * torch.randn(m, n, generator=g, dtype=torch.float64)
-
-
-def error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out = out.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def main() -> None:

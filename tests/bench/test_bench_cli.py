@@ -109,10 +109,14 @@ def test_ns_writes_json_and_png(tmp_path, capsys):
         assert r["standard_flops"] == batch * standard_flops(m, n, steps)
         assert r["gram_flops"] == batch * gram_flops(m, n, steps, r["gram_restarts"])
         assert r["gram_flops_ratio"] < 1
-        assert r["gram_guard_checked"] == batch and r["gram_guard_fallbacks"] == 0
-        # fp32 is ~1e-6 from the fp64 iteration, bf16 ~1e-2.
-        bound = 1e-4 if r["dtype"] == "fp32" else 0.05
-        assert 0 < r["rel_error_standard"] < bound and 0 < r["rel_error_gram"] < bound
+        # Every input kind, each checked by the guard; none diverges with the defaults.
+        assert [e["kind"] for e in r["errors"]] == ["gaussian", "logspaced", "lowrank"]
+        for e in r["errors"]:
+            assert e["guard_checked"] == batch and e["guard_fallbacks"] == 0, e
+            # fp32 is ~1e-5 from the fp64 iteration; bf16 ~1e-2 on Gaussian inputs, up to 0.5 on
+            # these tiny ill-conditioned ones (rounding of amplified small singular values).
+            bound = 1e-4 if r["dtype"] == "fp32" else 1.0
+            assert 0 < e["standard"] < bound and 0 < e["gram"] < bound, e
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 

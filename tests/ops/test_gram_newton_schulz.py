@@ -2,17 +2,16 @@
 
 References: the fp64 iteration with the same coefficients (``newton_schulz_reference``) and
 the standard bf16 iteration on the same inputs; inputs of three kinds (Gaussian,
-log-spaced spectrum, low rank plus noise) from ``scripts/gram_error.py``.
+log-spaced spectrum, low rank plus noise) from ``shardmuon.bench.matrices``.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from shardmuon.bench.matrices import make_input, make_inputs
+from shardmuon.bench.matrices import relative_error as error
 from shardmuon.ops.gram_newton_schulz import (
     default_restarts,
     gram_flops,
@@ -27,9 +26,6 @@ from shardmuon.ops.newton_schulz import (
     newton_schulz_unfolded,
 )
 from shardmuon.ops.ns_guard import band_high, guarded
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
-from gram_error import error, make_input
 
 KINDS = ("gaussian", "logspaced", "lowrank")
 SHAPES = [(32, 64), (64, 32), (24, 96), (3, 16, 40), (16, 128)]
@@ -208,3 +204,21 @@ def test_a_ten_step_schedule_in_fp16_with_its_default_restarts_stays_in_band(kin
 
     _, verdict = guarded(G, gram, "deepseek-v4", 1e-8)
     assert verdict.fallbacks == 0, verdict
+
+
+@pytest.mark.parametrize("shape", [(3, 12, 40), (40, 12), (2, 2, 16, 16)], ids=str)
+def test_input_kinds_have_the_stated_spectra_in_any_shape(shape) -> None:
+    m = min(shape[-2:])
+    for kind in ("gaussian", "logspaced", "lowrank"):
+        G = make_inputs(kind, shape, seed=1)
+        assert G.shape == shape and G.dtype == torch.float64
+        s = torch.linalg.svdvals(G)  # descending, per matrix
+        if kind == "logspaced":
+            expected = torch.logspace(-4, 0, m, dtype=torch.float64).flip(0)
+            torch.testing.assert_close(s, expected.expand_as(s))
+        if kind == "lowrank":
+            rank = max(1, m // 8)
+            assert (s[..., :rank] > 0.99).all() and (s[..., rank:] < 0.01).all()
+    assert not torch.equal(make_inputs("gaussian", shape, 1), make_inputs("gaussian", shape, 2))
+    with pytest.raises(ValueError, match="unknown input kind 'spiky'; accepted: gaussian"):
+        make_inputs("spiky", shape, 0)

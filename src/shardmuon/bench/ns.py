@@ -11,11 +11,13 @@ restarts included) over the folded iteration's, error, and the divergence guard'
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 import torch
 
 from shardmuon.bench.common import DTYPE_NAMES, DTYPES, add_output_arguments, relative_difference
+from shardmuon.bench.matrices import INPUT_KINDS, make_inputs, relative_error
 from shardmuon.bench.report import (
     fmt,
     median_time,
@@ -181,6 +183,18 @@ def measure_shape(
     }
 
 
+def kind_inputs(
+    shape: tuple[int, ...], preset: str, device: torch.device, seed: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per input kind (:data:`INPUT_KINDS`): an fp32 batch of ``shape`` on ``device`` and
+    its fp64 Newton-Schulz result with ``preset``."""
+    out = {}
+    for kind in INPUT_KINDS:
+        G = make_inputs(kind, shape, seed, device)
+        out[kind] = (G.float(), newton_schulz_reference(G, preset))
+    return out
+
+
 def measure_engine(
     shape: tuple[int, ...],
     preset: str,
@@ -188,18 +202,33 @@ def measure_engine(
     device: torch.device,
     repeats: int,
     seed: int,
-    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kinds: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
     """The standard and the Gram iteration (its default restarts) in ``dtype`` on one
-    (shape, preset): time, exact FLOPs, error against fp64, and the guard's verdict on Gram."""
-    G, ref = reference or _input_and_reference(shape, preset, device, seed)
+    (shape, preset): time on a Gaussian input, exact FLOPs, and per input kind the error of
+    both against fp64 and the guard's verdict on Gram. ``kinds``: :func:`kind_inputs`'s,
+    when the caller has them already."""
+    kinds = kinds or kind_inputs(shape, preset, device, seed)
+    G = kinds["gaussian"][0]
     iterations = len(NS_PRESETS[preset])
-    _, m, n = _dims(shape)
+    batch, m, n = _dims(shape)
     restarts = default_restarts(iterations)
     standard_s = median_time(lambda: newton_schulz(G, preset, dtype=dtype), device, repeats)
     gram_s = median_time(lambda: newton_schulz_gram(G, preset, dtype=dtype), device, repeats)
-    gram_out = newton_schulz_gram(G, preset, dtype=dtype)
-    _, verdict = guarded(G, lambda _: gram_out, preset, 1e-8)
+    errors = []
+    for kind, (X, ref) in kinds.items():
+        gram_out = newton_schulz_gram(X, preset, dtype=dtype)
+        _, verdict = guarded(X, lambda _, out=gram_out: out, preset, 1e-8)
+        errors.append(
+            {
+                "kind": kind,
+                "standard": relative_error(newton_schulz(X, preset, dtype=dtype), ref),
+                "gram": relative_error(gram_out, ref),
+                "guard_checked": verdict.checked,
+                "guard_fallbacks": verdict.fallbacks,
+                "guard_worst_ratio": verdict.worst_ratio,
+            }
+        )
     return {
         "shape": list(shape),
         "preset": preset,
@@ -208,15 +237,11 @@ def measure_engine(
         "gram_ms": gram_s * 1e3,
         "gram_restarts": list(restarts),
         "gram_time_ratio": gram_s / standard_s,
-        "standard_flops": standard_flops(m, n, iterations) * _dims(shape)[0],
-        "gram_flops": gram_flops(m, n, iterations, restarts) * _dims(shape)[0],
+        "standard_flops": standard_flops(m, n, iterations) * batch,
+        "gram_flops": gram_flops(m, n, iterations, restarts) * batch,
         "gram_flops_ratio": gram_flops(m, n, iterations, restarts)
         / standard_flops(m, n, iterations),
-        "rel_error_standard": relative_difference(newton_schulz(G, preset, dtype=dtype), ref),
-        "rel_error_gram": relative_difference(gram_out, ref),
-        "gram_guard_checked": verdict.checked,
-        "gram_guard_fallbacks": verdict.fallbacks,
-        "gram_guard_worst_ratio": verdict.worst_ratio,
+        "errors": errors,
     }
 
 
@@ -301,11 +326,10 @@ def run(args: argparse.Namespace) -> int:
                 )
                 if progress:
                     progress.advance(task)
+                kinds = kind_inputs(shape, preset, device, args.seed)
                 for dtype in dtypes:
                     engines.append(
-                        measure_engine(
-                            shape, preset, dtype, device, args.repeats, args.seed, reference
-                        )
+                        measure_engine(shape, preset, dtype, device, args.repeats, args.seed, kinds)
                     )
                     if progress:
                         progress.advance(task)
@@ -348,11 +372,8 @@ def run(args: argparse.Namespace) -> int:
                 "",
                 "std\nms",
                 "gram\nms",
-                "time\n÷std",
-                "FLOPs\n÷std",
-                "err\nstd",
-                "err\ngram",
-                "re-\ndone",
+                "time\n÷ std",
+                "FLOPs\n÷ std",
             ],
             [
                 [
@@ -362,12 +383,27 @@ def run(args: argparse.Namespace) -> int:
                     fmt(r["gram_ms"], ".1f"),
                     fmt(r["gram_time_ratio"], ".2f"),
                     fmt(r["gram_flops_ratio"], ".3f"),
-                    fmt(r["rel_error_standard"], ".1e"),
-                    fmt(r["rel_error_gram"], ".1e"),
-                    f"{r['gram_guard_fallbacks']}/{r['gram_guard_checked']}",
                 ]
                 for r in engines
                 if r["preset"] == preset
+            ],
+        )
+        print_table(
+            f"Error against fp64 by input kind, {preset} coefficients ({device.type})",
+            ["shape", "", "input", "err\nstd", "err\ngram", "gram\n÷ std", "re-\ndone"],
+            [
+                [
+                    "x".join(map(str, r["shape"])),
+                    r["dtype"],
+                    e["kind"],
+                    fmt(e["standard"], ".2e"),
+                    fmt(e["gram"], ".2e"),
+                    fmt(e["gram"] / e["standard"] if e["standard"] else math.nan, ".2f"),
+                    f"{e['guard_fallbacks']}/{e['guard_checked']}",
+                ]
+                for r in engines
+                if r["preset"] == preset
+                for e in r["errors"]
             ],
         )
     print_legend(
@@ -377,6 +413,10 @@ def run(args: argparse.Namespace) -> int:
                 "std / gram",
                 "newton_schulz_impl='folded' / 'gram' (its default restarts) in that dtype; "
                 "time and exact FLOPs (restarts counted) of Gram over the standard's",
+            ),
+            (
+                "input",
+                "gaussian, logspaced (singular values 1e-4..1), lowrank (rank m/8 + 1e-3 noise)",
             ),
             ("redone", "Gram's matrices the divergence guard would recompute, of those checked"),
             ("speed-up", "unfolded time over folded time"),
