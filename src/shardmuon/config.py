@@ -27,7 +27,10 @@ from shardmuon.validation import check_adjust_lr, check_int, check_number
 if TYPE_CHECKING:
     from shardmuon.optimizer import Muon
 
-__all__ = ["MuonConfig", "build_optimizer"]
+__all__ = ["QK_CLIP_FIELDS", "MuonConfig", "build_optimizer", "build_qk_clip"]
+
+# MuonConfig fields that configure QK-clip rather than the optimizer.
+QK_CLIP_FIELDS = ("qk_clip_threshold", "qk_clip_alpha")
 
 CoefficientSpec = str | list[tuple[float, float, float]] | None
 
@@ -108,6 +111,26 @@ class MuonConfig(BaseModel):
     newton_schulz_restarts: list[int] | None = None
     newton_schulz_guard: bool | None = None
     warmup: bool = False
+    # QK-clip (not Muon arguments: build_qk_clip reads them); None = off.
+    qk_clip_threshold: float | None = None
+    qk_clip_alpha: float = 0.5
+
+    @field_validator("qk_clip_alpha", "qk_clip_threshold", mode="before")
+    @classmethod
+    def _qk_clip(cls, value: Any, info: ValidationInfo) -> Any:
+        from shardmuon.qk_clip import check_qk_clip_settings
+
+        value = _number(info.field_name, value)
+        if value is None and info.field_name == "qk_clip_threshold":
+            return None
+        try:
+            if info.field_name == "qk_clip_alpha":
+                check_qk_clip_settings(100.0, value)
+            else:
+                check_qk_clip_settings(value, 0.5)
+        except (TypeError, ValueError) as err:  # pydantic reports ValueErrors per field
+            raise ValueError(f"qk_clip_{err}") from None
+        return float(value)
 
     @field_validator("lr", "weight_decay", "epsilon", "mu", "update_rms", mode="before")
     @classmethod
@@ -162,7 +185,7 @@ class MuonConfig(BaseModel):
 
     def muon_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``shardmuon.Muon`` (everything but ``params``)."""
-        kwargs = self.model_dump()
+        kwargs = self.model_dump(exclude=set(QK_CLIP_FIELDS))
         kwargs["betas"] = tuple(kwargs["betas"])
         return kwargs
 
@@ -203,3 +226,17 @@ def build_optimizer(
         matrix_partitions=routed.partitions or None,
         **config.muon_kwargs(),
     )
+
+
+def build_qk_clip(model: nn.Module, config: MuonConfig, **options: Any):
+    """A :class:`shardmuon.qk_clip.QKClip` over ``model`` with ``config``'s threshold and
+    alpha, or ``None`` when ``config.qk_clip_threshold`` is ``None``; ``options`` go to
+    ``QKClip`` (``process_group``, ``chunk_elements``). Call it on every rank, after the
+    model is laid out, and ``clip.apply()`` after each ``optimizer.step()``."""
+    if not isinstance(config, MuonConfig):
+        raise TypeError(f"config must be a MuonConfig, got {type(config).__name__}")
+    if config.qk_clip_threshold is None:
+        return None
+    from shardmuon.qk_clip import QKClip
+
+    return QKClip(model, config.qk_clip_threshold, config.qk_clip_alpha, **options)

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from shardmuon import NS_PRESETS, newton_schulz, resolve_coefficients
-from shardmuon.config import MuonConfig, build_optimizer
+from shardmuon.config import QK_CLIP_FIELDS, MuonConfig, build_optimizer
 from shardmuon.optimizer import Muon
 from shardmuon.routing import build_param_groups
 
@@ -35,8 +35,9 @@ CONFIG_DEFAULTS = {"adjust_lr": ("rms_norm", "spectral_norm")}
 
 def test_config_covers_every_constructor_option_with_its_default() -> None:
     signature = inspect.signature(Muon.__init__).parameters
-    fields = MuonConfig().model_dump()
+    fields = MuonConfig().model_dump(exclude=set(QK_CLIP_FIELDS))
     assert set(signature) - NOT_IN_CONFIG == set(fields)
+    assert set(MuonConfig().model_dump()) - set(fields) == {"qk_clip_threshold", "qk_clip_alpha"}
     for name, value in fields.items():
         expected_config, expected_muon = CONFIG_DEFAULTS.get(name, (value, value))
         assert value == expected_config, name

@@ -95,6 +95,23 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         ),
         "tiny Qwen3: 2 layers, hidden 128; for tests",
     ),
+    # No QK-norm (unlike the Qwen3 presets): its logits grow with its q/k weights, which is
+    # what QK-clip bounds (the qk-clip demo in docs/training.md).
+    "tiny-llama": ModelPreset(
+        "LlamaConfig",
+        dict(
+            vocab_size=1024,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        ),
+        "tiny Llama: 2 layers, hidden 128, GQA 4/2 heads, no QK-norm; for QK-clip runs",
+    ),
     # Qwen/Qwen3-30B-A3B config.json.
     "qwen3-30b-a3b": ModelPreset(
         "Qwen3MoeConfig",

@@ -37,6 +37,7 @@ __all__ = [
     "MatrixLayout",
     "ShardGroup",
     "group_pieces",
+    "local_indices",
     "local_slice",
     "local_tensor",
     "matrix_layout",
@@ -145,29 +146,47 @@ def local_tensor(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def local_slice(full: Tensor, like: DTensor) -> Tensor:
-    """This rank's local tensor of ``full`` (the global tensor) laid out as ``like`` is.
+def local_indices(like: DTensor, dim: int, size: int | None = None) -> list[int] | None:
+    """The global indices along ``dim`` of this rank's local tensor of ``like``, in local
+    order, or ``None`` when ``dim`` is whole here.
 
-    Reads the placements as :func:`shardmuon.planning.pieces.shard_ranges` does, so for FSDP2 over TP it is what
-    FSDP2 holds, uneven sizes included (``distribute_tensor`` would cut some of those
-    differently). ``Partial`` is not a layout of data and is refused.
+    Reads the placements as :func:`shardmuon.planning.pieces.shard_ranges` does, so for
+    FSDP2 over TP it is what FSDP2 holds, uneven sizes included (``distribute_tensor``
+    would cut some of those differently). ``size``: the global size of ``dim`` (default
+    ``like``'s). ``Partial`` is not a layout of data and is refused.
     """
     mesh = like.device_mesh
     coordinate = mesh.get_coordinate()
-    splits: dict[int, list[tuple[int, int, int]]] = {}
+    ndim = like.ndim
+    size = like.shape[dim] if size is None else size
+    dim_splits: list[tuple[int, int, int]] = []
     for mesh_dim, placement in enumerate(like.placements):
         if isinstance(placement, Partial):
-            raise ValueError(f"local_slice: {tuple(like.placements)} has a Partial placement")
+            raise ValueError(f"{tuple(like.placements)} has a Partial placement")
         if isinstance(placement, Replicate) or mesh.size(mesh_dim) == 1:
             continue
+        if placement.dim % ndim != dim % ndim:
+            continue
         factor = int(placement.split_factor) if isinstance(placement, _StridedShard) else 1
-        dim = placement.dim % full.ndim
-        splits.setdefault(dim, []).append((mesh.size(mesh_dim), coordinate[mesh_dim], factor))
+        dim_splits.append((mesh.size(mesh_dim), coordinate[mesh_dim], factor))
+    if not dim_splits:
+        return None
+    return [i for start, stop in shard_ranges(size, dim_splits) for i in range(start, stop)]
+
+
+def local_slice(full: Tensor, like: DTensor) -> Tensor:
+    """This rank's local tensor of ``full`` (the global tensor) laid out as ``like`` is
+    (:func:`local_indices` along every dim)."""
     local = full
-    for dim, dim_splits in splits.items():
-        ranges = shard_ranges(full.shape[dim], dim_splits)
-        index = [i for start, stop in ranges for i in range(start, stop)]
-        local = local.index_select(dim, torch.tensor(index, dtype=torch.long, device=full.device))
+    for dim in range(full.ndim):
+        try:
+            index = local_indices(like, dim, full.shape[dim])
+        except ValueError as err:
+            raise ValueError(f"local_slice: {err}") from None
+        if index is not None:
+            local = local.index_select(
+                dim, torch.tensor(index, dtype=torch.long, device=full.device)
+            )
     return local.contiguous()
 
 

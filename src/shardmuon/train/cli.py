@@ -116,6 +116,27 @@ def add_parser(subparsers) -> None:
         help="Muon's optimizer-state offload: 'state' keeps momentum/variance in host memory, "
         "streamed chunk by chunk (the same update, bit for bit; may differ from the checkpoint's)",
     )
+    train.add_argument(
+        "--qk-clip-threshold",
+        type=float,
+        default=None,
+        metavar="TAU",
+        help="QK-clip: after each step, scale the query/key rows of every attention head whose "
+        "max logit exceeded TAU (shardmuon.qk_clip.QKClip; Kimi K2 uses 100); off by default",
+    )
+    train.add_argument(
+        "--qk-clip-alpha",
+        type=float,
+        default=defaults.qk_clip_alpha,
+        metavar="A",
+        help="QK-clip: the query's share of the scale, in [0, 1]",
+    )
+    train.add_argument(
+        "--log-max-logit",
+        action="store_true",
+        help="record every head's max attention logit per step (in --json and --plot) "
+        "without clipping; always on with --qk-clip-threshold",
+    )
     train.add_argument("--steps", type=int, default=defaults.steps, help="train up to this step")
     train.add_argument(
         "--batch-size", type=int, default=defaults.batch_size, help="global batch size"
@@ -223,6 +244,9 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         layout=args.layout,
         mesh=parse_mesh_shape(args.mesh, "DPxTP, e.g. 2x2"),
         offload=None if args.offload == "none" else args.offload,
+        qk_clip_threshold=args.qk_clip_threshold,
+        qk_clip_alpha=args.qk_clip_alpha,
+        log_max_logit=args.log_max_logit,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,

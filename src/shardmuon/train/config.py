@@ -62,6 +62,11 @@ class TrainConfig:
     layout: str = "fsdp"
     # fsdp-tp only: (dp, tp); None = shardmuon.harness.parallel's default for nproc (4 -> 2x2).
     mesh: tuple[int, ...] | None = None
+    # QK-clip: None = off; log_max_logit records every head's max logit per step without
+    # clipping (on whenever the clip is).
+    qk_clip_threshold: float | None = None
+    qk_clip_alpha: float = 0.5
+    log_max_logit: bool = False
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: str | None = None
@@ -128,6 +133,11 @@ class TrainConfig:
             raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
         if not (math.isfinite(self.update_rms) and self.update_rms > 0):
             raise ValueError(f"update_rms must be a finite number > 0, got {self.update_rms!r}")
+        if self.qk_clip_threshold is not None or self.log_max_logit:
+            from shardmuon.qk_clip import check_qk_clip_settings
+
+            threshold = 100.0 if self.qk_clip_threshold is None else self.qk_clip_threshold
+            check_qk_clip_settings(threshold, self.qk_clip_alpha)
         if self.resume and self.resume_dion:
             raise ValueError("give either resume or resume_dion, not both")
         if self.optimizer == "muon":
@@ -159,6 +169,9 @@ class TrainResult:
     seconds: float
     checkpoints: list[str]
     resumed_from: str | None = None
+    # Per step, what QKClip.apply saw before clipping (empty without QK-clip / logging).
+    max_logits: dict[int, float] = field(default_factory=dict)
+    clipped_heads: dict[int, int] = field(default_factory=dict)
 
     def to_json(self, config: TrainConfig) -> dict[str, Any]:
         """JSON-ready dict (the ``--json`` format)."""
@@ -171,6 +184,10 @@ class TrainResult:
             "losses": [{"step": s, "loss": v} for s, v in sorted(self.losses.items())],
             "range_means": self.range_means,
             "checkpoints": self.checkpoints,
+            "max_logits": [
+                {"step": s, "max_logit": v, "clipped_heads": self.clipped_heads.get(s, 0)}
+                for s, v in sorted(self.max_logits.items())
+            ],
         }
 
 

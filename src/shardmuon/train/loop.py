@@ -132,6 +132,21 @@ def build_optimizer(
     )
 
 
+def build_qk_clip(config: TrainConfig, model: nn.Module):
+    """A :class:`shardmuon.qk_clip.QKClip` when the run clips or logs max logits, else None
+    (through ``MuonConfig``'s fields, as a user's trainer would)."""
+    if config.qk_clip_threshold is None and not config.log_max_logit:
+        return None
+    from shardmuon.config import MuonConfig, build_qk_clip
+
+    threshold = config.qk_clip_threshold
+    muon_config = MuonConfig(
+        qk_clip_threshold=100.0 if threshold is None else threshold,
+        qk_clip_alpha=config.qk_clip_alpha,
+    )
+    return build_qk_clip(model, muon_config)
+
+
 def sft_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Summed next-token cross-entropy over the supervised tokens of ``batch`` (fp32 scalar)."""
     logits = model(input_ids=batch["input_ids"]).logits
@@ -222,6 +237,9 @@ def train_on_rank(
     if world > 1 and hasattr(optimizer, "warmup"):
         optimizer.warmup()
 
+    clip = build_qk_clip(config, model)
+    max_logits: dict[int, float] = {}
+    clipped_heads: dict[int, int] = {}
     losses: dict[int, float] = {}
     saved: list[str] = []
     progress = _progress(config, rank, start)
@@ -239,6 +257,9 @@ def train_on_rank(
         (loss_sum * (layout.data_world / global_tokens)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if clip is not None:
+            stats = clip.apply(scale=config.qk_clip_threshold is not None)
+            max_logits[step], clipped_heads[step] = stats.max_logit, stats.clipped_heads
         total = loss_sum.detach().to(torch.float64)
         if world > 1:
             dist.all_reduce(total, group=layout.data_group)
@@ -254,7 +275,19 @@ def train_on_rank(
         progress.close()
     if config.dion_out:
         dion_format.save_dion_checkpoint(config.dion_out, model, optimizer, config.steps)
-    return TrainResult(losses, range_means(losses), start, world, seconds, saved, resume_from)
+    if clip is not None:
+        clip.remove()
+    return TrainResult(
+        losses,
+        range_means(losses),
+        start,
+        world,
+        seconds,
+        saved,
+        resume_from,
+        max_logits,
+        clipped_heads,
+    )
 
 
 class _Progress:

@@ -8,6 +8,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+def read_max_logits(path: str | os.PathLike) -> tuple[list[int], list[float], float | None]:
+    """Steps and max attention logits of a ``--json`` file (empty without ``--qk-clip-threshold``
+    or ``--log-max-logit``), and the QK-clip threshold (``None``: not clipped)."""
+    path = Path(path)
+    if path.suffix == ".csv":
+        return [], [], None
+    payload = json.loads(path.read_text())
+    rows = payload.get("max_logits", [])
+    threshold = payload.get("config", {}).get("qk_clip_threshold")
+    return [int(r["step"]) for r in rows], [float(r["max_logit"]) for r in rows], threshold
+
+
 def read_run(path: str | os.PathLike) -> tuple[list[int], list[float], str]:
     """Steps, losses and a label from a ``--json`` file (or a ``--csv`` ``step,loss`` file)."""
     path = Path(path)
@@ -45,7 +57,12 @@ def plot_runs(
     runs = [read_run(p) for p in paths]
     if labels is not None:
         runs = [(steps, values, label) for (steps, values, _), label in zip(runs, labels)]
-    return plot_curves(runs, out, title=title, log_scale=log_scale)
+    logits = []
+    for p, (_, _, label) in zip(paths, runs):
+        steps, values, threshold = read_max_logits(p)
+        if steps:
+            logits.append((steps, values, label, threshold))
+    return plot_curves(runs, out, title=title, log_scale=log_scale, max_logits=logits)
 
 
 def plot_curves(
@@ -54,17 +71,36 @@ def plot_curves(
     *,
     title: str = "reverse-text SFT loss",
     log_scale: bool = True,
+    max_logits: Sequence[tuple[Sequence[int], Sequence[float], str, float | None]] = (),
 ) -> Path:
-    """Draw ``(steps, losses, label)`` curves into the PNG ``out``; returns its path."""
+    """Draw ``(steps, losses, label)`` curves into the PNG ``out``; returns its path.
+
+    ``max_logits``: ``(steps, max logits, label, QK-clip threshold or None)`` per run that
+    recorded them, drawn in a second panel below (the threshold as a dotted line).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    if max_logits:
+        fig, (ax, logit_ax) = plt.subplots(2, 1, figsize=(8, 7), dpi=120, sharex=True)
+        for steps, values, label, threshold in max_logits:
+            (line,) = logit_ax.plot(steps, values, label=label, linewidth=1.2)
+            if threshold is not None:
+                logit_ax.axhline(
+                    threshold, color=line.get_color(), linestyle=":", label=f"{label}: tau"
+                )
+        logit_ax.set_ylabel("max attention logit (before the clip)")
+        logit_ax.set_xlabel("step")
+        logit_ax.grid(True, alpha=0.3)
+        logit_ax.legend(fontsize=8)
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for steps, values, label in curves:
         ax.plot(steps, values, label=label, linewidth=1.2)
-    ax.set_xlabel("step")
+    if not max_logits:
+        ax.set_xlabel("step")
     ax.set_ylabel("loss (mean over target tokens)")
     if log_scale:
         ax.set_yscale("log")

@@ -93,7 +93,14 @@ def run_training(config: TrainConfig) -> TrainResult:
 
         steps = sorted(result.losses)
         label = Path(config.json_out).stem if config.json_out else "this run"
-        plot_curves([(steps, [result.losses[s] for s in steps], label)], config.plot_out)
+        logit_steps = sorted(result.max_logits)
+        logits = [
+            (logit_steps, [result.max_logits[s] for s in logit_steps], label,
+             config.qk_clip_threshold)
+        ] if logit_steps else []  # fmt: skip
+        plot_curves(
+            [(steps, [result.losses[s] for s in steps], label)], config.plot_out, max_logits=logits
+        )
     return result
 
 

@@ -1,0 +1,300 @@
+"""``QKClip``: record each head's max logit in the forward passes, then after the optimizer
+step reduce them over the ranks in one collective and scale the query and key rows of the
+heads above the threshold, in place on each rank's shard.
+
+The math is in :mod:`~shardmuon.qk_clip.logits`, the layers in
+:mod:`~shardmuon.qk_clip.discovery`, the recording in :mod:`~shardmuon.qk_clip.recording`
+and the DTensor side in :mod:`~shardmuon.qk_clip.shards`; this module plans and dispatches.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from shardmuon.planning.placements import local_tensor
+from shardmuon.qk_clip.discovery import AttentionLayer, find_attention_layers
+from shardmuon.qk_clip.logits import (
+    DEFAULT_CHUNK_ELEMENTS,
+    head_gammas,
+    key_factors,
+    query_factors,
+    row_factors,
+)
+from shardmuon.qk_clip.recording import LayerRecorder, implementation_of, install, uninstall
+from shardmuon.qk_clip.shards import check_scalable, scale_rows_, scale_whole_
+
+__all__ = ["LayerClipStats", "QKClip", "QKClipStats", "check_qk_clip_settings"]
+
+
+@dataclass(frozen=True)
+class LayerClipStats:
+    """One layer after :meth:`QKClip.apply`: the max logit of each query head this step
+    (over every rank; ``-inf``: none seen), how many heads were above the threshold, and the
+    smallest gamma (1.0: nothing clipped)."""
+
+    name: str
+    max_logits: tuple[float, ...]
+    clipped_heads: int
+    min_gamma: float
+
+
+@dataclass(frozen=True)
+class QKClipStats:
+    """What one :meth:`QKClip.apply` saw and did, per layer."""
+
+    threshold: float
+    layers: tuple[LayerClipStats, ...]
+
+    @property
+    def max_logit(self) -> float:
+        """The largest max logit of any head of any layer."""
+        return max((max(layer.max_logits) for layer in self.layers), default=-math.inf)
+
+    @property
+    def clipped_heads(self) -> int:
+        return sum(layer.clipped_heads for layer in self.layers)
+
+    @property
+    def min_gamma(self) -> float:
+        return min((layer.min_gamma for layer in self.layers), default=1.0)
+
+    def as_dict(self) -> dict:
+        """JSON-ready: the totals, and per layer the max logit, clipped heads and min gamma."""
+        return {
+            "threshold": self.threshold,
+            "max_logit": self.max_logit,
+            "clipped_heads": self.clipped_heads,
+            "min_gamma": self.min_gamma,
+            "layers": {
+                layer.name: {
+                    "max_logit": max(layer.max_logits),
+                    "clipped_heads": layer.clipped_heads,
+                    "min_gamma": layer.min_gamma,
+                }
+                for layer in self.layers
+            },
+        }
+
+
+def check_qk_clip_settings(
+    threshold: float, alpha: float, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+) -> None:
+    """``TypeError``/``ValueError`` naming a bad QK-clip setting and what is accepted."""
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float):
+        raise TypeError(f"threshold must be a number, got {threshold!r}")
+    if not math.isfinite(threshold) or threshold <= 0:
+        raise ValueError(f"threshold must be a finite number > 0, got {threshold!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise TypeError(f"alpha must be a number, got {alpha!r}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1] (the query's share of the scale), got {alpha!r}")
+    if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int):
+        raise TypeError(f"chunk_elements must be an int, got {chunk_elements!r}")
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
+
+
+def _targets(layer: AttentionLayer) -> list[tuple[str, Tensor]]:
+    """The parameters one layer's clip writes, by name."""
+    if layer.qk_norm:
+        return [(f"{layer.name}.q_norm.weight", layer.q_norm.weight),
+                (f"{layer.name}.k_norm.weight", layer.k_norm.weight)]  # fmt: skip
+    out = []
+    for module in dict.fromkeys((layer.q_module, layer.k_module)):
+        for kind in ("weight", "bias"):
+            param = getattr(module, kind, None)
+            if param is not None:
+                out.append((f"{layer.name}.{kind}", param))
+    return out
+
+
+class QKClip:
+    """QK-clip (Kimi K2's MuonClip) for a Hugging Face-style model, on any layout.
+
+    Construct once after the model is laid out (FSDP2, HSDP, tensor parallel, ...) on every
+    rank (it checks in one all-reduce that all ranks found the same layers and settings);
+    run forward/backward as usual (every forward in training mode records each head's max
+    logit); call :meth:`apply` right after ``optimizer.step()`` on every rank. ``apply``
+    makes exactly one all-reduce (MAX, of all layers' maxima and the settings, over
+    ``process_group``: default the whole world, i.e. every rank that holds part of the
+    batch or of the heads) and scales weights in place; the optimizer's state is not
+    touched. Recording stops while ``recording`` is False or the model is in eval mode.
+
+    Args:
+        model: the model; its attention layers are found by
+            :func:`~shardmuon.qk_clip.discovery.find_attention_layers`.
+        threshold: tau, the largest max logit a head may keep (default 100, Kimi K2's).
+        alpha: the query's share of the scale (default 0.5): a clipped head's query rows
+            are scaled by ``gamma ** alpha``, its key rows by ``gamma ** (1 - alpha)``
+            (grouped-query: the smallest gamma of the key's query heads).
+        process_group: the ranks whose maxima are combined (default: the world when
+            ``torch.distributed`` is initialised; none on one process).
+        chunk_elements: the most scores recorded at once per layer (default 4 Mi).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        threshold: float = 100.0,
+        alpha: float = 0.5,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    ) -> None:
+        check_qk_clip_settings(threshold, alpha, chunk_elements)
+        self.threshold, self.alpha = float(threshold), float(alpha)
+        self.layers = find_attention_layers(model)
+        for layer in self.layers:
+            for name, param in _targets(layer):
+                check_scalable(name, param)
+        self._group = process_group
+        if self._group is None and dist.is_available() and dist.is_initialized():
+            self._group = dist.group.WORLD
+        self._recorders = [LayerRecorder(layer, chunk_elements) for layer in self.layers]
+        self._implementations = {implementation_of(layer, model) for layer in self.layers}
+        self._check_agreement(self._settings_fields(), "when QKClip was built")
+        install(self._implementations, self._recorders)
+        self.last_stats: QKClipStats | None = None
+
+    # ------------------------------------------------------------------ recording switch
+
+    @property
+    def recording(self) -> bool:
+        return self._recorders[0].enabled
+
+    @recording.setter
+    def recording(self, enabled: bool) -> None:
+        for recorder in self._recorders:
+            recorder.enabled = bool(enabled)
+
+    def remove(self) -> None:
+        """Stop recording for good and restore the attention functions (idempotent)."""
+        uninstall(self._implementations, self._recorders)
+        self._implementations = set()
+
+    # ------------------------------------------------------------------------ agreement
+
+    def _digest(self) -> tuple[float, float]:
+        text = repr(
+            [(lay.name, lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.qk_norm)
+             for lay in self.layers]
+        )  # fmt: skip
+        crc = zlib.crc32(text.encode())
+        return float(crc >> 16), float(crc & 0xFFFF)
+
+    def _settings_fields(self) -> list[float]:
+        """Each setting and its negation: after a MAX all-reduce, ``a == -b`` on every pair
+        if and only if every rank had the same value."""
+        fields = []
+        for value in (self.threshold, self.alpha, *self._digest()):
+            fields += [value, -value]
+        return fields
+
+    def _check_agreement(self, fields: list[float] | Tensor, when: str) -> None:
+        if not isinstance(fields, Tensor):
+            if self._group is None or dist.get_world_size(self._group) == 1:
+                return
+            fields = torch.tensor(fields, dtype=torch.float64, device=self._device())
+            dist.all_reduce(fields, op=dist.ReduceOp.MAX, group=self._group)
+        values = fields.tolist()
+        labels = ("threshold", "alpha", "layer list", "layer list")
+        for label, (largest, negated) in zip(labels, zip(values[::2], values[1::2])):
+            if largest != -negated:
+                shown = (
+                    "" if label == "layer list" else f" (largest {largest}, smallest {-negated})"
+                )
+                raise ValueError(
+                    f"ranks disagree on the QK-clip {label}{shown} {when}: every rank must "
+                    "build QKClip on the same model with the same settings"
+                )
+
+    def _device(self) -> torch.device:
+        return local_tensor(self.layers[0].q_module.weight).device
+
+    # ---------------------------------------------------------------------------- apply
+
+    def apply(self, *, scale: bool = True) -> QKClipStats:
+        """Reduce the recorded maxima over the ranks (one all-reduce), scale the query and
+        key rows of every head above the threshold, reset the records; returns (and keeps
+        as ``last_stats``) what it saw and did. ``scale=False`` only measures (the stats
+        count the heads it would clip). Raises on every rank alike when no forward pass was
+        recorded, when a layer recorded nothing while others did, or when a max logit is
+        not finite."""
+        device = self._device()
+        parts = []
+        for recorder in self._recorders:
+            maxima = recorder.maxima
+            if maxima is None:
+                maxima = torch.full((recorder.layer.num_heads,), -math.inf, device=device)
+            parts.append(maxima.to(device=device, dtype=torch.float64))
+        fields = torch.tensor(self._settings_fields(), dtype=torch.float64, device=device)
+        packed = torch.cat([*parts, fields])
+        if self._group is not None and dist.get_world_size(self._group) > 1:
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self._group)
+        self._check_agreement(packed[-len(fields) :], "at apply()")
+        maxima_per_layer = packed[: -len(fields)].split([lay.num_heads for lay in self.layers])
+        for recorder in self._recorders:
+            recorder.reset()
+        self._check_maxima(maxima_per_layer)
+        stats = tuple(
+            self._clip_layer(layer, maxima, scale)
+            for layer, maxima in zip(self.layers, maxima_per_layer)
+        )
+        self.last_stats = QKClipStats(self.threshold, stats)
+        return self.last_stats
+
+    def _check_maxima(self, maxima_per_layer: tuple[Tensor, ...]) -> None:
+        seen = [bool(torch.isfinite(m).any() or (m == math.inf).any()) for m in maxima_per_layer]
+        if not any(seen):
+            raise RuntimeError(
+                "QKClip.apply(): no forward pass was recorded since the last apply() on any "
+                "rank (recording off, the model in eval mode, or no forward run)"
+            )
+        silent = [lay.name for lay, s in zip(self.layers, seen) if not s]
+        if silent:
+            raise RuntimeError(
+                f"QKClip.apply(): {', '.join(silent[:3])}{' ...' if len(silent) > 3 else ''} "
+                "recorded nothing while other layers did: its attention did not go through "
+                "Hugging Face's attention functions"
+            )
+        bad = [lay.name for lay, m in zip(self.layers, maxima_per_layer) if (m == math.inf).any()]
+        if bad:
+            raise RuntimeError(
+                f"QKClip.apply(): a max logit of {', '.join(bad[:3])} is not finite (inf or "
+                "nan): the model has diverged; nothing was scaled"
+            )
+
+    def _clip_layer(self, layer: AttentionLayer, maxima: Tensor, scale: bool) -> LayerClipStats:
+        gammas = head_gammas(maxima, self.threshold)
+        clipped = int((gammas < 1).sum())
+        stats = LayerClipStats(
+            layer.name, tuple(maxima.tolist()), clipped, float(gammas.min()) if clipped else 1.0
+        )
+        if not (clipped and scale):
+            return stats
+        if layer.qk_norm:
+            smallest = float(gammas.min())
+            scale_whole_(layer.q_norm.weight, smallest**self.alpha)
+            scale_whole_(layer.k_norm.weight, smallest ** (1.0 - self.alpha))
+            return stats
+        rows: dict[nn.Module, Tensor] = {}
+        q_rows = row_factors(query_factors(gammas, self.alpha), layer.head_dim)
+        k_rows = row_factors(key_factors(gammas, layer.num_kv_heads, self.alpha), layer.head_dim)
+        for module, start, factors in (
+            (layer.q_module, layer.q_start, q_rows),
+            (layer.k_module, layer.k_start, k_rows),
+        ):
+            if module not in rows:
+                rows[module] = torch.ones(module.weight.shape[0], dtype=torch.float64)
+            rows[module][start : start + factors.numel()] = factors
+        for module, factors in rows.items():
+            scale_rows_(module.weight, factors)
+            if getattr(module, "bias", None) is not None:
+                scale_rows_(module.bias, factors)
+        return stats

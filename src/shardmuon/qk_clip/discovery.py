@@ -1,0 +1,179 @@
+"""Finding the attention layers QK-clip can act on, and what to scale in each.
+
+A layer is a module with ``q_proj`` and ``k_proj`` (Llama, Qwen, Mistral, GLM, ...) or one
+fused ``qkv_proj``/``Wqkv`` whose rows are ``[Q; K; V]`` (Phi-3; the row split is
+:func:`shardmuon.routing.fused_qkv_partition`, the one the optimizer uses). Head counts
+come from the module or its config. A model whose heads are normalised after the
+projection (Qwen3's ``q_norm``/``k_norm``) is clipped through the norms' gains, per layer
+(see :class:`AttentionLayer`). Everything else that looks like attention is refused with
+its name: MLA (DeepSeek's ``kv_a_proj_with_mqa``), ``[in, out]`` weights (GPT-2's
+``Conv1D``), interleaved fused QKV (Falcon, GPT-NeoX).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from shardmuon.routing import fused_qkv_partition
+
+__all__ = ["AttentionLayer", "find_attention_layers"]
+
+_FUSED_NAMES = ("qkv_proj", "Wqkv", "query_key_value", "c_attn")
+_INTERLEAVED = {
+    "query_key_value": "GPT-NeoX, Falcon and Bloom interleave Q, K and V per head",
+    "c_attn": "GPT-BigCode interleaves Q, K and V per head",
+}
+_MLA_MARKERS = ("kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj")
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """One attention layer: where its query and key rows are, and its head shape.
+
+    ``q_module``/``k_module``: the linear modules holding the query / key rows, from row
+    ``q_start``/``k_start`` (the same module for fused QKV). ``q_norm``/``k_norm``: the
+    per-head norms applied after the projections, or ``None``; with them, scaling rows does
+    nothing (the norm undoes it), so the clip scales the norms' gains instead, by the layer's
+    smallest gamma (one gain vector serves every head).
+    """
+
+    name: str
+    module: nn.Module
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_module: nn.Module
+    q_start: int
+    k_module: nn.Module
+    k_start: int
+    q_norm: nn.Module | None = None
+    k_norm: nn.Module | None = None
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.q_norm is not None
+
+
+def _config_value(module: nn.Module, model: nn.Module, *keys: str) -> int | None:
+    for source in (module, getattr(module, "config", None), getattr(model, "config", None)):
+        if source is None:
+            continue
+        for key in keys:
+            value = getattr(source, key, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def _rows(module: nn.Module, name: str) -> int:
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.ndim != 2:
+        raise ValueError(f"{name} has no 2-D weight: QK-clip scales the rows of one")
+    if type(module).__name__ == "Conv1D":
+        raise ValueError(
+            f"{name} is a Conv1D, whose weight is stored [in, out]: QK-clip scales the rows of "
+            "[out, in] weights (nn.Linear) and cannot scale this one"
+        )
+    return int(weight.shape[0])  # a DTensor's shape is the global one
+
+
+def _head_shape(name: str, module: nn.Module, model: nn.Module) -> tuple[int, int, int | None]:
+    heads = _config_value(module, model, "num_heads", "num_attention_heads")
+    if heads is None:
+        raise ValueError(
+            f"{name}: no head count found (num_heads / num_attention_heads on the module or "
+            "its config); pass a model whose config has it"
+        )
+    kv_heads = _config_value(module, model, "num_key_value_heads", "num_kv_heads") or heads
+    head_dim = _config_value(module, model, "head_dim")
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"{name}: {heads} attention heads do not divide into {kv_heads} key/value heads"
+        )
+    return heads, kv_heads, head_dim
+
+
+def _check_rows(name: str, part: str, rows: int, heads: int, head_dim: int) -> None:
+    if rows != heads * head_dim:
+        raise ValueError(
+            f"{name}: {part} has {rows} rows, not heads x head_dim = {heads} x {head_dim} = "
+            f"{heads * head_dim}; the heads do not divide the projection rows as the config says"
+        )
+
+
+def _norms(name: str, module: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    if q_norm is None and k_norm is None:
+        return None, None
+    if q_norm is None or k_norm is None:
+        raise ValueError(
+            f"{name} normalises only its {'queries' if q_norm is not None else 'keys'}: QK-clip "
+            "needs both norms' gains (or neither) to bound the logits"
+        )
+    for norm_name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if getattr(norm, "weight", None) is None:
+            raise ValueError(
+                f"{name}.{norm_name} has no gain (weight): after a norm, scaling the projection "
+                "does nothing, and there is no gain to scale instead"
+            )
+    return q_norm, k_norm
+
+
+def _layer(name: str, module: nn.Module, model: nn.Module) -> AttentionLayer | None:
+    children = dict(module.named_children())
+    if any(marker in children for marker in _MLA_MARKERS):
+        raise ValueError(
+            f"{name} is multi-head latent attention (MLA: {', '.join(sorted(set(children) & set(_MLA_MARKERS)))}); "
+            "QK-clip supports attention with per-head query and key projections only"
+        )
+    fused = next((n for n in _FUSED_NAMES if n in children), None)
+    if "q_proj" in children and "k_proj" in children:
+        heads, kv_heads, head_dim = _head_shape(name, module, model)
+        q_rows = _rows(children["q_proj"], f"{name}.q_proj")
+        head_dim = head_dim or q_rows // heads
+        _check_rows(name, "q_proj", q_rows, heads, head_dim)
+        _check_rows(name, "k_proj", _rows(children["k_proj"], f"{name}.k_proj"), kv_heads, head_dim)
+        q_module, k_module, k_start = children["q_proj"], children["k_proj"], 0
+    elif fused is not None:
+        fused_module = children[fused]
+        rows = _rows(fused_module, f"{name}.{fused}")
+        if fused in _INTERLEAVED:
+            raise ValueError(
+                f"{name}.{fused}: {_INTERLEAVED[fused]}, so the query and key rows are not "
+                "contiguous blocks; QK-clip scales [Q; K; V] row blocks only"
+            )
+        heads, kv_heads, head_dim = _head_shape(name, module, model)
+        q_rows, _, _ = fused_qkv_partition(
+            f"{name}.{fused}.weight",
+            (rows, 1),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+        )
+        head_dim = q_rows // heads
+        q_module = k_module = fused_module
+        k_start = q_rows
+    else:
+        return None
+    q_norm, k_norm = _norms(name, module)
+    return AttentionLayer(
+        name, module, heads, kv_heads, head_dim, q_module, 0, k_module, k_start, q_norm, k_norm
+    )
+
+
+def find_attention_layers(model: nn.Module) -> list[AttentionLayer]:
+    """Every attention layer of ``model``, in module order; ``ValueError`` naming the module
+    for one that cannot be clipped, or when there is none."""
+    layers = []
+    for name, module in model.named_modules():
+        layer = _layer(name or type(model).__name__, module, model)
+        if layer is not None:
+            layers.append(layer)
+    if not layers:
+        raise ValueError(
+            f"no attention layer found in {type(model).__name__}: QK-clip looks for modules "
+            f"with q_proj and k_proj, or a fused {' / '.join(_FUSED_NAMES[:2])} ([Q; K; V] rows)"
+        )
+    return layers

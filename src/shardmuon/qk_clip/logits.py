@@ -1,0 +1,153 @@
+"""The largest pre-softmax logit of each attention head, and the clip factors it implies
+(pure math on plain tensors).
+
+``max_logits_per_head`` never forms a whole score matrix: it walks one sequence of the
+batch and a bounded block of queries at a time, so its memory is ``chunk_elements`` scores
+plus O(heads). The block size depends only on the sequence lengths and the *global* head
+count, so every rank of a data- or tensor-parallel job computes each score with the same
+GEMM shapes as one process seeing the whole batch: the maxima agree bit for bit.
+
+The clip rule (Kimi K2's QK-clip, with the grouped-query rule of ``docs/design.md``): for
+head ``h`` with max logit ``S_h`` above the threshold ``tau``, ``gamma_h = tau / S_h``
+(else 1); query head ``h`` is scaled by ``gamma_h ** alpha``; key head ``j``, shared by the
+query heads ``G_j``, by ``min_{h in G_j} gamma_h ** (1 - alpha)``. A head's logits then
+scale by at most ``gamma_h``, so none exceeds ``tau`` on the same inputs; with one query
+head per key head (MHA) unclipped heads are untouched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DEFAULT_CHUNK_ELEMENTS",
+    "head_gammas",
+    "key_factors",
+    "max_logits_per_head",
+    "query_factors",
+    "row_factors",
+]
+
+# Scores per block: 4 Mi fp32 values, 16 MiB.
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
+
+def _valid_positions(
+    mask: Tensor | None,
+    rows: range,
+    kv_len: int,
+    offset: int,
+    causal: bool,
+    sliding_window: int | None,
+    device: torch.device,
+) -> Tensor | None:
+    """``[len(rows), kv_len]`` bool (or broadcastable), True where a query may attend.
+
+    ``mask``: this sequence's slice of the attention mask, ``[heads or 1, q, kv]`` bool
+    (True: attend) or additive float (masked: very negative); without one, the causal and
+    sliding-window rules (queries are the last positions: ``offset = kv_len - q_len``).
+    """
+    if mask is not None:
+        block = mask[..., rows.start : rows.stop, :]
+        if block.dtype == torch.bool:
+            return block
+        return block > torch.finfo(block.dtype).min / 2
+    if not causal and sliding_window is None:
+        return None
+    query_pos = torch.arange(rows.start, rows.stop, device=device)[:, None] + offset
+    key_pos = torch.arange(kv_len, device=device)[None, :]
+    valid = key_pos <= query_pos if causal else torch.ones_like(key_pos, dtype=torch.bool)
+    if sliding_window is not None:
+        valid = valid & (key_pos > query_pos - sliding_window)
+    return valid
+
+
+def max_logits_per_head(
+    query: Tensor,
+    key: Tensor,
+    scaling: float,
+    attention_mask: Tensor | None = None,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    chunk_heads: int | None = None,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> Tensor:
+    """The largest ``scaling * q_i . k_j`` over the batch and every attended pair, per query
+    head: ``[heads]`` float32 (float64 for float64 inputs); ``-inf`` for a head that attends
+    nowhere.
+
+    ``query``: ``[batch, heads, q_len, head_dim]``; ``key``: ``[batch, kv_heads, kv_len,
+    head_dim]`` (``heads`` a multiple of ``kv_heads``: query head ``h`` reads key head
+    ``h // (heads // kv_heads)``); ``attention_mask``: ``None`` or ``[batch, 1 or heads,
+    q_len, kv_len]`` bool (True: attend) or additive float. ``chunk_heads``: the head count
+    the block size is computed for (default ``heads``; pass the global count under tensor
+    parallel so that every rank blocks alike). Scores are computed in float32 (float64
+    inputs in float64).
+    """
+    if query.ndim != 4 or key.ndim != 4:
+        raise ValueError(
+            f"query and key must be [batch, heads, seq, head_dim]; got {tuple(query.shape)} "
+            f"and {tuple(key.shape)}"
+        )
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if key.shape[0] != batch or key.shape[3] != head_dim or heads % max(kv_heads, 1):
+        raise ValueError(
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} do not pair: same batch "
+            "and head_dim, and query heads a multiple of key heads, are needed"
+        )
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    out = torch.full((heads,), -math.inf, dtype=dtype, device=query.device)
+    if batch == 0 or q_len == 0 or kv_len == 0:
+        return out
+    group = heads // kv_heads
+    block = max(1, chunk_elements // (max(chunk_heads or heads, heads) * kv_len))
+    offset = kv_len - q_len
+    for b in range(batch):
+        keys_t = key[b].to(dtype).mT  # [kv_heads, head_dim, kv_len]
+        mask_b = attention_mask[b] if attention_mask is not None else None
+        for start in range(0, q_len, block):
+            rows = range(start, min(q_len, start + block))
+            q = query[b, :, rows.start : rows.stop].to(dtype)  # [heads, c, head_dim]
+            c = q.shape[1]
+            scores = torch.matmul(q.reshape(kv_heads, group * c, head_dim), keys_t)
+            scores = scores.view(heads, c, kv_len).mul_(scaling)
+            valid = _valid_positions(
+                mask_b, rows, kv_len, offset, causal, sliding_window, query.device
+            )
+            if valid is not None:
+                scores.masked_fill_(~valid.expand(heads, c, kv_len), -math.inf)
+            out = torch.maximum(out, scores.amax(dim=(1, 2)))
+    return out
+
+
+def head_gammas(max_logits: Tensor, threshold: float) -> Tensor:
+    """``min(1, threshold / S_h)`` per head (1 for heads at or below the threshold, and for
+    heads that saw nothing: ``-inf``)."""
+    gammas = torch.ones_like(max_logits, dtype=torch.float64)
+    over = max_logits > threshold
+    gammas[over] = threshold / max_logits[over].double()
+    return gammas
+
+
+def query_factors(gammas: Tensor, alpha: float) -> Tensor:
+    """Each query head's scale, ``gamma_h ** alpha``: ``[heads]`` float64."""
+    return gammas.double().pow(alpha)
+
+
+def key_factors(gammas: Tensor, kv_heads: int, alpha: float) -> Tensor:
+    """Each key head's scale, the smallest gamma of the query heads that read it, to the
+    ``1 - alpha``: ``[kv_heads]`` float64."""
+    heads = gammas.numel()
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not divide into {kv_heads} key heads")
+    return gammas.double().view(kv_heads, heads // kv_heads).amin(dim=1).pow(1.0 - alpha)
+
+
+def row_factors(head_factors: Tensor, head_dim: int) -> Tensor:
+    """A per-head scale as a per-row scale of a ``[heads * head_dim, ...]`` projection."""
+    return head_factors.repeat_interleave(head_dim)

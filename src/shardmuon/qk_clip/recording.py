@@ -1,0 +1,160 @@
+"""Recording each head's max logit during the forward pass, through Hugging Face's
+attention-function registry.
+
+Hugging Face attention modules call ``ALL_ATTENTION_FUNCTIONS.get_interface(name, eager)``
+with the rotated query ``[batch, heads, q_len, head_dim]``, the key before its
+grouped-query repeat ``[batch, kv_heads, kv_len, head_dim]``, the mask and the scale. For
+each implementation name a recorded model uses (``sdpa``, ``eager``, flash, ...), the entry
+is replaced by a wrapper that hands those to the module's :class:`LayerRecorder` (if it
+has one) and then calls the original, unchanged; modules without a recorder pass straight
+through. The model's config is not touched (``save_pretrained`` still writes the real
+implementation), and the mask interface needs nothing. When the last recorder is removed
+the original entries come back.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from shardmuon.qk_clip.discovery import AttentionLayer
+from shardmuon.qk_clip.logits import max_logits_per_head
+from shardmuon.qk_clip.shards import head_offset
+
+__all__ = ["LayerRecorder", "implementation_of", "install", "uninstall"]
+
+_RECORDERS: weakref.WeakKeyDictionary[nn.Module, LayerRecorder] = weakref.WeakKeyDictionary()
+# implementation name -> (the original entry or None for the model's own eager, users)
+_INSTALLED: dict[str, tuple[Callable | None, int]] = {}
+
+
+class LayerRecorder:
+    """One layer's running per-head maximum (``[heads]`` float32, ``-inf`` until a forward
+    pass in training mode records it), kept until :meth:`reset`."""
+
+    def __init__(self, layer: AttentionLayer, chunk_elements: int) -> None:
+        self.layer = layer
+        self.chunk_elements = chunk_elements
+        self.enabled = True
+        self.maxima: Tensor | None = None
+
+    def reset(self) -> None:
+        self.maxima = None
+
+    def observe(self, query: Tensor, key: Tensor, mask: Tensor | None, kwargs: dict) -> None:
+        module, layer = self.layer.module, self.layer
+        if not (self.enabled and module.training):
+            return
+        local_heads = query.shape[1]
+        offset = 0
+        if local_heads != layer.num_heads:
+            offset = head_offset(
+                layer.name, layer.q_module.weight, layer.q_start, layer.head_dim, local_heads
+            )
+        scaling = kwargs.get("scaling")
+        if scaling is None:
+            scaling = getattr(module, "scaling", layer.head_dim**-0.5)
+        if mask is not None:
+            mask = mask[..., : key.shape[-2]]
+        with torch.no_grad():
+            seen = max_logits_per_head(
+                query.detach(),
+                key.detach(),
+                float(scaling),
+                mask,
+                causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
+                sliding_window=kwargs.get("sliding_window"),
+                chunk_heads=layer.num_heads,
+                chunk_elements=self.chunk_elements,
+            ).float()
+        if self.maxima is None:
+            self.maxima = torch.full(
+                (layer.num_heads,), -math.inf, dtype=torch.float32, device=seen.device
+            )
+        part = self.maxima[offset : offset + local_heads]
+        torch.maximum(part, seen.nan_to_num(nan=math.inf), out=part)
+
+
+def _eager_of(module: nn.Module) -> Callable:
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise RuntimeError(
+            f"{type(module).__name__} uses the eager attention, but its module "
+            f"{type(module).__module__} has no eager_attention_forward to call"
+        )
+    return fn
+
+
+def _wrapper(original: Callable | None) -> Callable:
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        recorder = _RECORDERS.get(module)
+        if recorder is not None:
+            recorder.observe(query, key, attention_mask, kwargs)
+        fn = original if original is not None else _eager_of(module)
+        return fn(module, query, key, value, attention_mask, *args, **kwargs)
+
+    attention.__wrapped__ = original  # type: ignore[attr-defined]
+    return attention
+
+
+def implementation_of(layer: AttentionLayer, model: nn.Module) -> str:
+    """The attention implementation name ``layer``'s module dispatches on."""
+    for source in (layer.module, model):
+        config = getattr(source, "config", None)
+        name = getattr(config, "_attn_implementation", None)
+        if name:
+            return name
+    raise ValueError(
+        f"{layer.name}: no attention implementation set (config._attn_implementation); "
+        "QK-clip records through Hugging Face's attention functions"
+    )
+
+
+def install(names: set[str], recorders: list[LayerRecorder]) -> None:
+    """Put the recording wrapper in front of each implementation of ``names`` and attach
+    ``recorders`` to their modules; ``ValueError`` if a module already has one."""
+    from transformers.modeling_utils import AttentionInterface
+
+    taken = [r.layer.name for r in recorders if r.layer.module in _RECORDERS]
+    if taken:
+        raise ValueError(
+            f"{', '.join(taken)} already record for another QKClip; call its remove() first"
+        )
+    for name in sorted(names):
+        if name in _INSTALLED:
+            original, users = _INSTALLED[name]
+            _INSTALLED[name] = (original, users + 1)
+            continue
+        original = AttentionInterface._global_mapping.get(name)
+        if original is None and name != "eager":
+            raise ValueError(f"attention implementation {name!r} is not registered")
+        AttentionInterface.register(name, _wrapper(original))
+        _INSTALLED[name] = (original, 1)
+    for recorder in recorders:
+        _RECORDERS[recorder.layer.module] = recorder
+
+
+def uninstall(names: set[str], recorders: list[LayerRecorder]) -> None:
+    """Undo :func:`install`: detach ``recorders``; restore entries no QKClip uses now."""
+    from transformers.modeling_utils import AttentionInterface
+
+    for recorder in recorders:
+        if _RECORDERS.get(recorder.layer.module) is recorder:
+            del _RECORDERS[recorder.layer.module]
+    for name in sorted(names):
+        if name not in _INSTALLED:
+            continue
+        original, users = _INSTALLED[name]
+        if users > 1:
+            _INSTALLED[name] = (original, users - 1)
+            continue
+        del _INSTALLED[name]
+        if original is None:
+            AttentionInterface._global_mapping.pop(name, None)
+        else:
+            AttentionInterface.register(name, original)
