@@ -114,8 +114,12 @@ def test_after_apply_no_head_exceeds_tau_on_the_same_inputs(kind, kv_heads, alph
         before, inputs = record(model, clip, tokens())
         stats = clip.apply()
         assert stats.clipped_heads > 0
-        for layer in clip.layers:
+        assert stats.max_logit_after <= tau * (1 + 1e-9)
+        for layer, layer_stats in zip(clip.layers, stats.layers):
             after = reference_max_logits(layer, inputs[layer.name])
+            # The stats' prediction (S_h times its factors) is what the new weights give.
+            predicted = torch.tensor(layer_stats.max_logits_after, dtype=torch.float64)
+            torch.testing.assert_close(predicted, after, rtol=1e-4, atol=1e-5)
             clipped = before[layer.name] > tau
             assert (after[clipped] <= tau * (1 + 1e-3)).all(), (layer.name, after, before)
             assert (after <= torch.maximum(before[layer.name], torch.tensor(tau)) * 1.001).all()

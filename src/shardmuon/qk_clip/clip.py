@@ -35,13 +35,15 @@ __all__ = ["LayerClipStats", "QKClip", "QKClipStats", "check_qk_clip_settings"]
 @dataclass(frozen=True)
 class LayerClipStats:
     """One layer after :meth:`QKClip.apply`: the max logit of each query head this step
-    (over every rank; ``-inf``: none seen), how many heads were above the threshold, and the
-    smallest gamma (1.0: nothing clipped)."""
+    (over every rank; ``-inf``: none seen), how many heads were above the threshold, the
+    smallest gamma (1.0: nothing clipped), and each head's max logit on the same inputs with
+    the scaled weights (``S_h`` times its query and key factors: at most the threshold)."""
 
     name: str
     max_logits: tuple[float, ...]
     clipped_heads: int
     min_gamma: float
+    max_logits_after: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,11 @@ class QKClipStats:
         return max((max(layer.max_logits) for layer in self.layers), default=-math.inf)
 
     @property
+    def max_logit_after(self) -> float:
+        """The largest max logit the same inputs give with the clipped weights."""
+        return max((max(layer.max_logits_after) for layer in self.layers), default=-math.inf)
+
+    @property
     def clipped_heads(self) -> int:
         return sum(layer.clipped_heads for layer in self.layers)
 
@@ -69,6 +76,7 @@ class QKClipStats:
         return {
             "threshold": self.threshold,
             "max_logit": self.max_logit,
+            "max_logit_after": self.max_logit_after,
             "clipped_heads": self.clipped_heads,
             "min_gamma": self.min_gamma,
             "layers": {
@@ -273,19 +281,27 @@ class QKClip:
     def _clip_layer(self, layer: AttentionLayer, maxima: Tensor, scale: bool) -> LayerClipStats:
         gammas = head_gammas(maxima, self.threshold)
         clipped = int((gammas < 1).sum())
+        smallest = float(gammas.min()) if clipped else 1.0
+        if layer.qk_norm:
+            q_heads = torch.full_like(gammas, smallest**self.alpha)
+            k_heads = torch.full((layer.num_kv_heads,), smallest ** (1 - self.alpha)).double()
+        else:
+            q_heads = query_factors(gammas, self.alpha)
+            k_heads = key_factors(gammas, layer.num_kv_heads, self.alpha)
+        group = layer.num_heads // layer.num_kv_heads
+        after = maxima * q_heads * k_heads.repeat_interleave(group) if clipped else maxima
         stats = LayerClipStats(
-            layer.name, tuple(maxima.tolist()), clipped, float(gammas.min()) if clipped else 1.0
+            layer.name, tuple(maxima.tolist()), clipped, smallest, tuple(after.tolist())
         )
         if not (clipped and scale):
             return stats
         if layer.qk_norm:
-            smallest = float(gammas.min())
             scale_whole_(layer.q_norm.weight, smallest**self.alpha)
             scale_whole_(layer.k_norm.weight, smallest ** (1.0 - self.alpha))
             return stats
         rows: dict[nn.Module, Tensor] = {}
-        q_rows = row_factors(query_factors(gammas, self.alpha), layer.head_dim)
-        k_rows = row_factors(key_factors(gammas, layer.num_kv_heads, self.alpha), layer.head_dim)
+        q_rows = row_factors(q_heads, layer.head_dim)
+        k_rows = row_factors(k_heads, layer.head_dim)
         for module, start, factors in (
             (layer.q_module, layer.q_start, q_rows),
             (layer.k_module, layer.k_start, k_rows),

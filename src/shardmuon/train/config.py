@@ -171,6 +171,7 @@ class TrainResult:
     resumed_from: str | None = None
     # Per step, what QKClip.apply saw before clipping (empty without QK-clip / logging).
     max_logits: dict[int, float] = field(default_factory=dict)
+    max_logits_after: dict[int, float] = field(default_factory=dict)
     clipped_heads: dict[int, int] = field(default_factory=dict)
 
     def to_json(self, config: TrainConfig) -> dict[str, Any]:
@@ -185,7 +186,12 @@ class TrainResult:
             "range_means": self.range_means,
             "checkpoints": self.checkpoints,
             "max_logits": [
-                {"step": s, "max_logit": v, "clipped_heads": self.clipped_heads.get(s, 0)}
+                {
+                    "step": s,
+                    "max_logit": v,
+                    "max_logit_after": self.max_logits_after.get(s, v),
+                    "clipped_heads": self.clipped_heads.get(s, 0),
+                }
                 for s, v in sorted(self.max_logits.items())
             ],
         }

@@ -59,6 +59,7 @@ _PRELOAD = (
     "shardmuon.optimizer",
     "transformers.models.qwen3.modeling_qwen3",
     "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "transformers.models.llama.modeling_llama",
 )
 
 
@@ -97,5 +98,11 @@ def spawn_training(config: TrainConfig, resume_from: str | None) -> TrainResult:
                     raise ValueError(payload["error"]) from None
             raise
         payload = json.loads(Path(result_file).read_text())
-    payload["losses"] = {int(k): v for k, v in payload["losses"].items()}
+    for key in (
+        "losses",
+        "max_logits",
+        "max_logits_after",
+        "clipped_heads",
+    ):  # JSON made the step keys strings
+        payload[key] = {int(k): v for k, v in payload[key].items()}
     return TrainResult(**payload)

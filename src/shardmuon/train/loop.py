@@ -239,6 +239,7 @@ def train_on_rank(
 
     clip = build_qk_clip(config, model)
     max_logits: dict[int, float] = {}
+    max_logits_after: dict[int, float] = {}
     clipped_heads: dict[int, int] = {}
     losses: dict[int, float] = {}
     saved: list[str] = []
@@ -258,8 +259,10 @@ def train_on_rank(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if clip is not None:
-            stats = clip.apply(scale=config.qk_clip_threshold is not None)
+            clipping = config.qk_clip_threshold is not None
+            stats = clip.apply(scale=clipping)
             max_logits[step], clipped_heads[step] = stats.max_logit, stats.clipped_heads
+            max_logits_after[step] = stats.max_logit_after if clipping else stats.max_logit
         total = loss_sum.detach().to(torch.float64)
         if world > 1:
             dist.all_reduce(total, group=layout.data_group)
@@ -286,6 +289,7 @@ def train_on_rank(
         saved,
         resume_from,
         max_logits,
+        max_logits_after,
         clipped_heads,
     )
 

@@ -1,0 +1,235 @@
+"""QK-clip on gloo (issue #22, run by ``tests/qk_clip/test_qk_clip_dist.py``): each case lays a
+tiny Hugging Face model out as a trainer does (``shardmuon.harness.parallel.apply_layout``:
+FSDP2, HSDP 2x2, FSDP2 over TP 2x2), splits the batch over the data-parallel ranks, runs
+forward passes and ``QKClip.apply()`` twice, and compares every parameter shard bitwise with
+one process that ran the same micro-batches one after another and applied the same clip
+(the reference's full tensors cut with FSDP2's own layout, ``local_slice``). Each
+``apply()`` must issue exactly one collective, an all-reduce; ranks that disagree on the
+threshold or the layer list must all get the error.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import transformers
+from dist_cases import expect_raises
+from dist_checks import Context, fail_on, make_context
+from dist_escape_cases import issued_collectives
+
+from shardmuon.harness.parallel import apply_layout
+from shardmuon.planning.placements import local_slice, local_tensor
+from shardmuon.qk_clip import QKClip
+
+__all__ = ["CASES", "cases_for", "make_context"]
+
+CASES: dict[str, Callable[[Context], None]] = {}
+WORLDS: dict[str, tuple[int, ...]] = {}
+VOCAB = 64
+ROUNDS = 2
+
+
+def case(name: str, worlds: tuple[int, ...]):
+    def register(fn):
+        CASES[name], WORLDS[name] = fn, worlds
+        return fn
+
+    return register
+
+
+def cases_for(world_size: int) -> list[str]:
+    return [name for name in CASES if world_size in WORLDS[name]]
+
+
+def tiny_model(kind: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
+    """Llama (GQA 4/2, no QK-norm) or Qwen3 (QK-norm); layer 0's q/k blown up so that its
+    heads exceed the threshold by different amounts."""
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    config = (transformers.LlamaConfig if kind == "llama" else transformers.Qwen3Config)(**common)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    attention = model.model.layers[0].self_attn
+    with torch.no_grad():
+        if kind == "qwen3":
+            attention.q_norm.weight.mul_(6.0)
+            attention.k_norm.weight.mul_(6.0)
+        else:
+            for proj in (attention.q_proj, attention.k_proj):
+                rows = torch.linspace(0.3, 1.5, proj.weight.shape[0] // 16).repeat_interleave(16)
+                proj.weight.mul_(16.0 * rows[:, None])
+    return model.train()
+
+
+def own_group() -> dist.ProcessGroup:
+    """A group of this rank alone (every rank calls it): the one-process reference's."""
+    group, _ = dist.new_subgroups(group_size=1)
+    return group
+
+
+def micro_batch(data_rank: int, round_: int) -> torch.Tensor:
+    """The micro-batch data-parallel rank ``data_rank`` sees in ``round_`` (varied sizes)."""
+    gen = torch.Generator().manual_seed(1000 * round_ + data_rank)
+    return torch.randint(1, VOCAB, (1 + data_rank % 2, 6 + 2 * data_rank), generator=gen)
+
+
+def _compare(model, reference, label: str) -> list[str]:
+    problems = []
+    ref = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        local = local_tensor(param).detach()
+        full = ref[name].detach()
+        expected = local_slice(full, param) if hasattr(param, "placements") else full
+        if not torch.equal(local, expected):
+            diff = (local.double() - expected.double()).abs().max().item()
+            problems.append(f"{label}: {name} differs from one process (max |diff| {diff:.3g})")
+    return problems
+
+
+def run_layout(
+    ctx: Context,
+    kind: str,
+    layout: str,
+    mesh_shape: tuple[int, ...] | None,
+    tau: float = 6.0,
+    layers: int = 2,
+    same_maxima: bool = False,
+) -> None:
+    """The comparison described in the module docstring, for one model and layout.
+
+    ``same_maxima``: the reference clips with the maxima the distributed run reduced (which
+    must be within 1e-5 of its own), so that the weights compare bitwise even where the
+    forward itself rounds differently (tensor parallel's row-parallel sums, from layer 1 on).
+    """
+    model = tiny_model(kind, layers)
+    reference = copy.deepcopy(model)
+    applied = apply_layout(model, layout, mesh_shape=mesh_shape)
+    dp = applied.meshes["dp"]
+    # HSDP's dp mesh is 2-D (replicate, shard): every rank its own data.
+    data_rank = dp.get_local_rank() if dp.ndim == 1 and layout == "fsdp-tp" else ctx.rank
+    data_world = dp.size() if layout == "fsdp-tp" else ctx.world_size
+    clip, ref_clip = QKClip(model, tau), QKClip(reference, tau, process_group=own_group())
+    problems = []
+    try:
+        for round_ in range(ROUNDS):
+            model(micro_batch(data_rank, round_))
+            for r in range(data_world):
+                reference(micro_batch(r, round_))
+            with issued_collectives() as calls:
+                stats = clip.apply()
+            if same_maxima:
+                for recorder, layer in zip(ref_clip._recorders, stats.layers):
+                    own = recorder.maxima
+                    recorder.maxima = torch.tensor(layer.max_logits, dtype=torch.float32)
+                    if not torch.allclose(own, recorder.maxima, rtol=1e-5, atol=0):
+                        problems.append(f"round {round_}: {layer.name} maxima {own} vs {layer}")
+            ref_stats = ref_clip.apply()
+            kinds = [c.op for c in calls]
+            if kinds != ["all_reduce"]:
+                problems.append(f"round {round_}: apply() issued {kinds}, not one all-reduce")
+            if stats.layers != ref_stats.layers:
+                problems.append(f"round {round_}: stats {stats.layers} != one process's")
+            if round_ == 0 and stats.clipped_heads == 0:
+                problems.append("test setup: nothing was clipped")
+            problems += _compare(model, reference, f"{layout} {kind} round {round_}")
+    finally:
+        clip.remove()
+        ref_clip.remove()
+    fail_on(problems)
+
+
+@case("fsdp_llama_gqa", (2, 4))
+def _fsdp_llama(ctx: Context) -> None:
+    run_layout(ctx, "llama", "fsdp", None)
+
+
+@case("fsdp_qwen3_qk_norm", (2, 4))
+def _fsdp_qwen3(ctx: Context) -> None:
+    run_layout(ctx, "qwen3", "fsdp", None)
+
+
+@case("hsdp_2x2_llama", (4,))
+def _hsdp_llama(ctx: Context) -> None:
+    run_layout(ctx, "llama", "hsdp", (2, 2))
+
+
+@case("fsdp_over_tp_2x2_llama_one_layer", (4,))
+def _fsdp_tp_llama(ctx: Context) -> None:
+    """One layer: tensor parallel's row-parallel sums would round a second layer's inputs
+    differently from one process; the first layer's q/k are the same GEMMs per column."""
+    run_layout(ctx, "llama", "fsdp-tp", (2, 2), layers=1)
+
+
+@case("fsdp_over_tp_2x2_llama_two_layers_same_maxima", (4,))
+def _fsdp_tp_llama_deep(ctx: Context) -> None:
+    run_layout(ctx, "llama", "fsdp-tp", (2, 2), layers=2, same_maxima=True)
+
+
+@case("fsdp_over_tp_2x2_qwen3_one_layer", (4,))
+def _fsdp_tp_qwen3(ctx: Context) -> None:
+    run_layout(ctx, "qwen3", "fsdp-tp", (2, 2), layers=1)
+
+
+@case("ranks_that_disagree_all_raise", (2, 4))
+def _disagree(ctx: Context) -> None:
+    problems = []
+    model = tiny_model("llama")
+    apply_layout(model, "fsdp")
+    last = ctx.world_size - 1
+    tau = 7.0 if ctx.rank == last else 6.0
+    problems += expect_raises(
+        ValueError,
+        ["ranks disagree on the QK-clip threshold (largest 7.0, smallest 6.0)", "when QKClip"],
+        lambda: QKClip(model, tau).remove(),
+    )
+    problems += expect_raises(
+        ValueError,
+        ["ranks disagree on the QK-clip alpha"],
+        lambda: QKClip(model, 6.0, alpha=0.25 if ctx.rank == 0 else 0.5).remove(),
+    )
+    # A different layer list: one rank's model has a layer more.
+    other = tiny_model("llama", layers=3 if ctx.rank == last else 2)
+    problems += expect_raises(
+        ValueError, ["ranks disagree on the QK-clip layer list"], lambda: QKClip(other, 6.0)
+    )
+    # Agreed at build time, edited on one rank afterwards: apply() refuses on every rank.
+    clip = QKClip(model, 6.0)
+    try:
+        model(micro_batch(ctx.rank, 0))
+        clip.threshold = 9.0 if ctx.rank == 0 else 6.0
+        problems += expect_raises(
+            ValueError, ["ranks disagree on the QK-clip threshold", "at apply()"], clip.apply
+        )
+    finally:
+        clip.remove()
+    dist.barrier()
+    fail_on(problems)
+
+
+@case("a_rank_that_saw_no_data_still_joins", (2, 4))
+def _idle_rank(ctx: Context) -> None:
+    """Only rank 0 runs a forward; the others' records are empty: the all-reduce still
+    brings rank 0's maxima to everyone, and every rank scales its shard alike."""
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    apply_layout(model, "fsdp")
+    clip, ref_clip = QKClip(model, 6.0), QKClip(reference, 6.0, process_group=own_group())
+    try:
+        # FSDP2's forward all-gathers on every rank: all run it, but only rank 0 records.
+        clip.recording = ctx.rank == 0
+        model(micro_batch(0, 0))
+        reference(micro_batch(0, 0))
+        stats, ref_stats = clip.apply(), ref_clip.apply()
+        problems = [] if stats.layers == ref_stats.layers else ["stats differ from one process"]
+        problems += _compare(model, reference, "idle ranks")
+    finally:
+        clip.remove()
+        ref_clip.remove()
+    fail_on(problems)
