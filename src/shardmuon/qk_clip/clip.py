@@ -284,7 +284,9 @@ class QKClip:
         smallest = float(gammas.min()) if clipped else 1.0
         if layer.qk_norm:
             q_heads = torch.full_like(gammas, smallest**self.alpha)
-            k_heads = torch.full((layer.num_kv_heads,), smallest ** (1 - self.alpha)).double()
+            k_heads = torch.full(
+                (layer.num_kv_heads,), smallest ** (1 - self.alpha), dtype=torch.float64
+            )
         else:
             q_heads = query_factors(gammas, self.alpha)
             k_heads = key_factors(gammas, layer.num_kv_heads, self.alpha)
