@@ -376,6 +376,21 @@ def test_the_block_depends_on_the_global_head_count_only() -> None:
     assert torch.equal(torch.cat(halves), whole)
 
 
+@pytest.mark.parametrize("seq", [5, 40])
+def test_a_batch_split_over_ranks_gives_the_maxima_bitwise(seq) -> None:
+    """Five sequences at once or as 2 + 3 (two data-parallel ranks), short sequences grouped
+    and long ones cut into query blocks: the same fp32 maxima, bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(5, 4, seq, 16, generator=gen)
+    k = torch.randn(5, 2, seq, 16, generator=gen)
+    whole = max_logits_per_head(q, k, 0.25, chunk_elements=900)
+    parts = [
+        max_logits_per_head(q[s], k[s], 0.25, chunk_elements=900)
+        for s in (slice(0, 2), slice(2, 5))
+    ]
+    assert torch.equal(torch.maximum(*parts), whole)
+
+
 def test_factors_of_the_grouped_query_rule() -> None:
     gammas = torch.tensor([1.0, 0.5, 0.8, 1.0, 0.25, 0.9], dtype=torch.float64)
     torch.testing.assert_close(query_factors(gammas, 0.5), gammas.sqrt())

@@ -1,11 +1,12 @@
 """The largest pre-softmax logit of each attention head, and the clip factors it implies
 (pure math on plain tensors).
 
-``max_logits_per_head`` never forms a whole score matrix: it walks one sequence of the
-batch and a bounded block of queries at a time, so its memory is ``chunk_elements`` scores
-plus O(heads). The block size depends only on the sequence lengths and the *global* head
-count, so every rank of a data- or tensor-parallel job computes each score with the same
-GEMM shapes as one process seeing the whole batch: the maxima agree bit for bit.
+``max_logits_per_head`` never forms a whole score matrix: it walks a bounded block of the
+batch's queries at a time (a few whole short sequences, or part of a long one), so its
+memory is ``chunk_elements`` scores plus O(heads). Each (sequence, head) block of scores is
+one matrix product whose shape depends only on the sequence lengths and the *global* head
+count, so every rank of a data- or tensor-parallel job computes each score as one process
+seeing the whole batch does: the maxima agree bit for bit (tested).
 
 The clip rule (Kimi K2's QK-clip, with the grouped-query rule of ``docs/design.md``): for
 head ``h`` with max logit ``S_h`` above the threshold ``tau``, ``gamma_h = tau / S_h``
@@ -65,6 +66,17 @@ def _valid_positions(
     return valid
 
 
+def _score_dtype(query: Tensor) -> torch.dtype:
+    """float64 for float64; on CUDA half-precision inputs stay half (tensor-core GEMMs, fp32
+    accumulation, scores rounded to 8-11 bits: ~0.4% at most, immaterial to a threshold);
+    float32 otherwise."""
+    if query.dtype == torch.float64:
+        return torch.float64
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        return query.dtype
+    return torch.float32
+
+
 def max_logits_per_head(
     query: Tensor,
     key: Tensor,
@@ -86,7 +98,7 @@ def max_logits_per_head(
     q_len, kv_len]`` bool (True: attend) or additive float. ``chunk_heads``: the head count
     the block size is computed for (default ``heads``; pass the global count under tensor
     parallel so that every rank blocks alike). Scores are computed in float32 (float64
-    inputs in float64).
+    inputs in float64; half-precision ones on CUDA in their own dtype).
     """
     if query.ndim != 4 or key.ndim != 4:
         raise ValueError(
@@ -100,28 +112,34 @@ def max_logits_per_head(
             f"query {tuple(query.shape)} and key {tuple(key.shape)} do not pair: same batch "
             "and head_dim, and query heads a multiple of key heads, are needed"
         )
-    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    out = torch.full((heads,), -math.inf, dtype=dtype, device=query.device)
+    dtype = _score_dtype(query)
+    out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    out = torch.full((heads,), -math.inf, dtype=out_dtype, device=query.device)
     if batch == 0 or q_len == 0 or kv_len == 0:
         return out
     group = heads // kv_heads
-    block = max(1, chunk_elements // (max(chunk_heads or heads, heads) * kv_len))
+    per_query = max(chunk_heads or heads, heads) * kv_len  # scores per query position
+    block = max(1, chunk_elements // per_query)  # query positions per block
+    # Whole short sequences are grouped; a long one is cut into blocks of queries. Either
+    # way each (sequence, head) score block has the same shape on every rank.
+    seqs = max(1, chunk_elements // (per_query * min(block, q_len)))
     offset = kv_len - q_len
-    for b in range(batch):
-        keys_t = key[b].to(dtype).mT  # [kv_heads, head_dim, kv_len]
-        mask_b = attention_mask[b] if attention_mask is not None else None
+    for b0 in range(0, batch, seqs):
+        b1 = min(batch, b0 + seqs)
+        keys_t = key[b0:b1].to(dtype).mT  # [n, kv_heads, head_dim, kv_len]
+        mask_b = attention_mask[b0:b1] if attention_mask is not None else None
         for start in range(0, q_len, block):
             rows = range(start, min(q_len, start + block))
-            q = query[b, :, rows.start : rows.stop].to(dtype)  # [heads, c, head_dim]
-            c = q.shape[1]
-            scores = torch.matmul(q.reshape(kv_heads, group * c, head_dim), keys_t)
-            scores = scores.view(heads, c, kv_len).mul_(scaling)
+            q = query[b0:b1, :, rows.start : rows.stop].to(dtype)  # [n, heads, c, head_dim]
+            n, _, c, _ = q.shape
+            scores = torch.matmul(q.reshape(n, kv_heads, group * c, head_dim), keys_t)
+            scores = scores.view(n, heads, c, kv_len).mul_(scaling)
             valid = _valid_positions(
                 mask_b, rows, kv_len, offset, causal, sliding_window, query.device
             )
             if valid is not None:
-                scores.masked_fill_(~valid.expand(heads, c, kv_len), -math.inf)
-            out = torch.maximum(out, scores.amax(dim=(1, 2)))
+                scores.masked_fill_(~valid.expand(n, heads, c, kv_len), -math.inf)
+            out = torch.maximum(out, scores.amax(dim=(0, 2, 3)).to(out_dtype))
     return out
 
 
