@@ -261,7 +261,8 @@ def train_on_rank(
         if clip is not None:
             clipping = config.qk_clip_threshold is not None
             stats = clip.apply(scale=clipping)
-            max_logits[step], clipped_heads[step] = stats.max_logit, stats.clipped_heads
+            max_logits[step] = stats.max_logit
+            clipped_heads[step] = stats.clipped_heads if clipping else 0
             max_logits_after[step] = stats.max_logit_after if clipping else stats.max_logit
         total = loss_sum.detach().to(torch.float64)
         if world > 1:
