@@ -538,3 +538,27 @@ def test_the_weights_written_are_weight_of_the_clip_not_of_the_optimizer_state()
         assert weight_of(model.model.layers[0].self_attn.q_proj.weight) is not None
     finally:
         clip.remove()
+
+
+def test_with_offloaded_state_the_clipped_run_is_bitwise_the_plain_one() -> None:
+    """The clip touches weights only: Muon with ``offload="state"`` and without, each with
+    QK-clip after every step, stay bitwise equal."""
+    from shardmuon import Muon
+
+    weights = []
+    for offload in (None, "state"):
+        model = make_model("llama", kv_heads=2)
+        opt = Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02, offload=offload)
+        clip = QKClip(model, threshold=6.0)
+        clipped = 0
+        try:
+            for step in range(3):
+                model(tokens(seed=step)).logits.square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                clipped += clip.apply().clipped_heads
+        finally:
+            clip.remove()
+        assert clipped > 0
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))

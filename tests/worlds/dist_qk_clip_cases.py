@@ -233,3 +233,49 @@ def _idle_rank(ctx: Context) -> None:
         clip.remove()
         ref_clip.remove()
     fail_on(problems)
+
+
+@case("rows_scale_on_every_placement", (4,))
+def _placements(ctx: Context) -> None:
+    """``scale_rows_`` on DTensors of every placement a trainer makes (uneven sizes
+    included) equals scaling the full tensor and cutting it; ``Partial`` is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from shardmuon.qk_clip.shards import check_scalable, scale_rows_
+
+    mesh1 = init_device_mesh("cpu", (4,))
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    gen = torch.Generator().manual_seed(5)
+    problems = []
+    layouts = [
+        (mesh1, [Shard(0)]), (mesh1, [Shard(1)]), (mesh1, [Replicate()]),
+        (mesh2, [Shard(0), Shard(0)]), (mesh2, [Replicate(), Shard(0)]),
+        (mesh2, [Shard(0), Shard(1)]), (mesh2, [_StridedShard(0, split_factor=2), Shard(0)]),
+    ]  # fmt: skip
+    for rows in (30, 13, 3):
+        for dtype in (torch.float32, torch.bfloat16):
+            full = torch.randn(rows, 7, generator=gen).to(dtype)
+            factors = torch.rand(rows, generator=gen, dtype=torch.float64) + 0.5
+            expected = (full.float() * factors.float()[:, None]).to(dtype)
+            for mesh, placements in layouts:
+
+                def on(local, mesh=mesh, placements=placements, full=full):
+                    return DTensor.from_local(
+                        local, mesh, placements, shape=full.shape, stride=full.stride(),
+                        run_check=False,
+                    )  # fmt: skip
+
+                # FSDP2's layout of the full tensor (local_slice reads placements only).
+                param = on(local_slice(full, on(torch.empty(0, 7, dtype=dtype))).clone())
+                scale_rows_(param, factors)
+                if not torch.equal(local_tensor(param), local_slice(expected, param)):
+                    problems.append(f"rows {rows} {dtype} {placements}: shard scaled wrongly")
+    partial = DTensor.from_local(torch.ones(4, 4), mesh1, [Partial()], run_check=False)
+    problems += expect_raises(
+        ValueError,
+        ["model.q_proj.weight has placements (Partial(sum),)", "cannot scale its rows"],
+        lambda: check_scalable("model.q_proj.weight", partial),
+    )
+    fail_on(problems)
