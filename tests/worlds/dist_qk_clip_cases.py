@@ -45,14 +45,21 @@ def cases_for(world_size: int) -> list[str]:
 
 
 def tiny_model(kind: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
-    """Llama (GQA 4/2, no QK-norm) or Qwen3 (QK-norm); layer 0's q/k blown up so that its
-    heads exceed the threshold by different amounts."""
+    """Llama (GQA 4/2, no QK-norm), Qwen3 (QK-norm) or Phi-3 (fused [Q; K; V]); layer 0's
+    q/k blown up so that its heads exceed the threshold by different amounts."""
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
         tie_word_embeddings=False,
     )  # fmt: skip
-    config = (transformers.LlamaConfig if kind == "llama" else transformers.Qwen3Config)(**common)
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "qwen3": transformers.Qwen3Config,
+        "phi3": transformers.Phi3Config,
+    }
+    if kind == "phi3":
+        common["pad_token_id"] = 0
+    config = classes[kind](**common)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -62,7 +69,10 @@ def tiny_model(kind: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
             attention.q_norm.weight.mul_(6.0)
             attention.k_norm.weight.mul_(6.0)
         else:
-            for proj in (attention.q_proj, attention.k_proj):
+            projections = (
+                (attention.qkv_proj,) if kind == "phi3" else (attention.q_proj, attention.k_proj)
+            )
+            for proj in projections:
                 rows = torch.linspace(0.3, 1.5, proj.weight.shape[0] // 16).repeat_interleave(16)
                 proj.weight.mul_(16.0 * rows[:, None])
     return model.train()
@@ -101,6 +111,7 @@ def run_layout(
     tau: float = 6.0,
     layers: int = 2,
     same_maxima: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """The comparison described in the module docstring, for one model and layout.
 
@@ -108,7 +119,7 @@ def run_layout(
     must be within 1e-5 of its own), so that the weights compare bitwise even where the
     forward itself rounds differently (tensor parallel's row-parallel sums, from layer 1 on).
     """
-    model = tiny_model(kind, layers)
+    model = tiny_model(kind, layers).to(dtype)
     reference = copy.deepcopy(model)
     applied = apply_layout(model, layout, mesh_shape=mesh_shape)
     dp = applied.meshes["dp"]
@@ -153,6 +164,17 @@ def _fsdp_llama(ctx: Context) -> None:
 @case("fsdp_qwen3_qk_norm", (2, 4))
 def _fsdp_qwen3(ctx: Context) -> None:
     run_layout(ctx, "qwen3", "fsdp", None)
+
+
+@case("fsdp_phi3_fused_qkv", (2,))
+def _fsdp_phi3(ctx: Context) -> None:
+    """FSDP2 cuts the fused [Q; K; V] rows across its Q/K/V boundaries."""
+    run_layout(ctx, "phi3", "fsdp", None)
+
+
+@case("fsdp_llama_bf16_weights", (2,))
+def _fsdp_bf16(ctx: Context) -> None:
+    run_layout(ctx, "llama", "fsdp", None, dtype=torch.bfloat16)
 
 
 @case("hsdp_2x2_llama", (4,))
