@@ -90,7 +90,7 @@ def reference_max_logits(layer, calls: list, padding: Tensor | None = None) -> T
     ``[batch, seq]`` 1 for real tokens, 0 for padding (keys that are padding are masked)."""
     best = torch.full((layer.num_heads,), -math.inf, dtype=torch.float64)
     for hidden, cos, sin in calls:
-        logits = reference_logits(layer, hidden, cos, sin)
+        logits = reference_logits(layer, hidden, cos, sin).cpu()
         seq = logits.shape[-1]
         valid = torch.ones(seq, seq, dtype=torch.bool).tril()
         valid = valid.expand(logits.shape[0], 1, seq, seq)
