@@ -474,16 +474,28 @@ def test_models_that_cannot_be_clipped_are_refused_naming_the_module() -> None:
         QKClip(_Holder(no_count))
 
 
-def test_a_layer_that_bypasses_the_attention_functions_is_named_at_apply() -> None:
+def test_a_layer_that_did_not_record_is_left_alone_and_named_once() -> None:
+    """A layer that did not run this step (a vision tower on a text-only batch), or bypasses
+    the attention functions: a warning naming it (once), its weights untouched."""
     model = make_model("llama", kv_heads=2)
-    clip = QKClip(model, threshold=5.0)
+    clip = QKClip(model, threshold=0.01)
     try:
         from shardmuon.qk_clip import recording
 
-        del recording._RECORDERS[clip.layers[1].module]  # as if layer 1 ran its own kernel
+        del recording._RECORDERS[clip.layers[0].module]  # as if layer 0 ran its own kernel
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
         model(tokens())
-        with pytest.raises(RuntimeError, match=r"model.layers.1.self_attn recorded nothing"):
-            clip.apply()
+        with pytest.warns(UserWarning, match=r"model.layers.0.self_attn recorded nothing"):
+            stats = clip.apply()
+        assert stats.layers[0].clipped_heads == 0 and stats.layers[1].clipped_heads > 0
+        q0 = "model.layers.0.self_attn.q_proj.weight"
+        assert torch.equal(dict(model.named_parameters())[q0], before[q0])
+        model(tokens())
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            clip.apply()  # named once only
     finally:
         clip.remove()
 
@@ -562,3 +574,157 @@ def test_with_offloaded_state_the_clipped_run_is_bitwise_the_plain_one() -> None
         assert clipped > 0
         weights.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*weights))
+
+
+# ------------------------------------------------- escapes found by attacking (2026-12-02)
+
+
+def _hf(config_class, **extra):
+    config = config_class(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        **extra,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_norms_that_do_not_scale_with_their_gain_are_refused() -> None:
+    """Gemma3's ``x * (1 + w)`` (scaling w would not bound the logits: it did not, 8.2 for
+    tau 5, before this check), a LayerNorm with a bias, Llama4's gainless ``qk_norm``."""
+    with pytest.raises(ValueError, match=r"q_norm \(Gemma3RMSNorm\) does not scale its output"):
+        QKClip(_hf(transformers.Gemma3TextConfig, sliding_window=512))
+    model = make_model("llama", kv_heads=2)
+    attention = model.model.layers[0].self_attn
+    attention.q_norm, attention.k_norm = nn.LayerNorm(16), nn.LayerNorm(16)
+    with pytest.raises(ValueError, match=r"q_norm \(LayerNorm\) does not scale its output"):
+        QKClip(model)
+    attention.q_norm, attention.k_norm = nn.LayerNorm(16, bias=False), nn.LayerNorm(16, bias=False)
+    QKClip(model).remove()  # x / rms-like * w without a bias: accepted
+    llama4 = _hf(
+        transformers.Llama4TextConfig, num_local_experts=2, intermediate_size_mlp=96,
+        use_qk_norm=True, no_rope_layers=[1, 1], attn_temperature_tuning=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="normalises its queries or keys with qk_norm"):
+        QKClip(llama4)
+    gated = _hf(transformers.Qwen3_5TextConfig, layer_types=["full_attention"] * 2)
+    with pytest.raises(ValueError, match="2x what the heads need: a gated"):
+        QKClip(gated)
+
+
+def test_an_identity_norm_is_no_norm() -> None:
+    model = make_model("llama", kv_heads=2)
+    for layer in model.model.layers:
+        layer.self_attn.q_norm, layer.self_attn.k_norm = nn.Identity(), nn.Identity()
+    clip = QKClip(model, threshold=6.0)
+    try:
+        assert not any(layer.qk_norm for layer in clip.layers)
+        _, inputs = record(model, clip, tokens())
+        clip.apply()
+        layer = clip.layers[0]
+        assert (reference_max_logits(layer, inputs[layer.name]) <= 6.0 * (1 + 1e-3)).all()
+    finally:
+        clip.remove()
+
+
+@pytest.fixture
+def fake_flash():
+    """flash_attention_2's calling convention on a CPU: Hugging Face builds its 2-D padding
+    mask and passes position_ids as on a GPU; the stand-in computes with sdpa."""
+    from transformers.modeling_utils import AttentionInterface
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        group = query.shape[1] // key.shape[1]
+        k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, k, v, is_causal=True, scale=scaling
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    saved = AttentionInterface._global_mapping.get("flash_attention_2")
+    AttentionInterface.register("flash_attention_2", attention)
+    yield
+    AttentionInterface.register("flash_attention_2", saved)
+
+
+@pytest.mark.usefixtures("fake_flash")
+def test_flash_padding_masks_and_packed_sequences_are_read_as_flash_reads_them() -> None:
+    """Before: a 2-D padding mask crashed (or, when batch == length, was read as query
+    rows: 43% off), and packed documents were seen across (58% too high)."""
+    model = make_model("llama", kv_heads=2)
+    model.config._attn_implementation = "flash_attention_2"
+    clip = QKClip(model, threshold=4.0)
+    try:
+        for batch, seq in ((3, 14), (4, 4)):
+            x = tokens(batch, seq, seed=batch)
+            padding = torch.ones_like(x)
+            padding[0, : seq // 3] = 0
+            padding[-1, seq - 1 :] = 0
+            reference, _ = record(model, clip, x, attention_mask=padding)
+            stats = clip.apply(scale=False)
+            for layer in stats.layers:
+                got = torch.tensor(layer.max_logits, dtype=torch.float64)
+                torch.testing.assert_close(got, reference[layer.name], rtol=2e-5, atol=1e-5)
+        x = tokens(1, 14, seed=9)
+        positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2, 3, 4]])
+        documents = (positions == 0).cumsum(-1)
+        with capture_attention_inputs(model, [lay.module for lay in clip.layers]) as captured:
+            model(x, position_ids=positions)
+        stats = clip.apply(scale=False)
+        for layer, layer_stats in zip(clip.layers, stats.layers):
+            ref = reference_max_logits(layer, captured[layer.module], segments=documents)
+            got = torch.tensor(layer_stats.max_logits, dtype=torch.float64)
+            torch.testing.assert_close(got, ref, rtol=2e-5, atol=1e-5)
+    finally:
+        clip.remove()
+
+
+def test_flex_attention_is_refused_when_the_clip_is_built() -> None:
+    model = make_model("llama")
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="runs attention implementation 'flex_attention'"):
+        QKClip(model)
+
+
+def test_a_clip_dropped_without_remove_detaches_itself() -> None:
+    import gc
+
+    model = make_model("llama")
+    clip = QKClip(model, threshold=5.0)
+    del clip
+    gc.collect()
+    QKClip(model, threshold=5.0).remove()  # before: "already record for another QKClip"
+
+
+def test_an_implementation_changed_after_the_build_is_named() -> None:
+    model = make_model("llama")
+    clip = QKClip(model, threshold=5.0)
+    try:
+        model.set_attn_implementation("eager")
+        model(tokens())
+        with pytest.raises(RuntimeError, match=r"changed to \['eager'\] after QKClip was built"):
+            clip.apply()
+    finally:
+        clip.remove()
+
+
+def test_numbers_of_any_kind_are_taken_and_edits_are_checked() -> None:
+    import numpy as np
+
+    model = make_model("llama")
+    for tau in (np.float32(5), np.int64(5), torch.tensor(5.0), 5):
+        clip = QKClip(model, threshold=tau, alpha=np.float16(0.25))
+        assert (clip.threshold, clip.alpha) == (5.0, 0.25)
+        clip.remove()
+    with pytest.raises(ValueError, match="threshold must be a finite number"):
+        QKClip(model, threshold=10**400)
+    clip = QKClip(model, threshold=5.0)
+    try:
+        with pytest.raises(ValueError, match="threshold must be a finite number > 0, got 0"):
+            clip.threshold = 0
+        with pytest.raises(ValueError, match=r"alpha must be in \[0, 1\]"):
+            clip.alpha = 2
+        assert (clip.threshold, clip.alpha) == (5.0, 0.5)
+    finally:
+        clip.remove()

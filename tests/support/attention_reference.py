@@ -85,9 +85,12 @@ def reference_logits(layer, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return q @ k.transpose(-1, -2) * scaling
 
 
-def reference_max_logits(layer, calls: list, padding: Tensor | None = None) -> Tensor:
+def reference_max_logits(
+    layer, calls: list, padding: Tensor | None = None, segments: Tensor | None = None
+) -> Tensor:
     """Per query head, the largest causal logit over every captured call; ``padding``:
-    ``[batch, seq]`` 1 for real tokens, 0 for padding (keys that are padding are masked)."""
+    ``[batch, seq]`` 1 for real tokens, 0 for padding (keys that are padding are masked);
+    ``segments``: ``[batch, seq]`` document ids of packed sequences (no logit across two)."""
     best = torch.full((layer.num_heads,), -math.inf, dtype=torch.float64)
     for hidden, cos, sin in calls:
         logits = reference_logits(layer, hidden, cos, sin).cpu()
@@ -96,5 +99,7 @@ def reference_max_logits(layer, calls: list, padding: Tensor | None = None) -> T
         valid = valid.expand(logits.shape[0], 1, seq, seq)
         if padding is not None:
             valid = valid & padding.bool()[:, None, None, :]
+        if segments is not None:
+            valid = valid & (segments[:, None, :, None] == segments[:, None, None, :])
         best = torch.maximum(best, logits.masked_fill(~valid, -math.inf).amax(dim=(0, 2, 3)))
     return best

@@ -301,3 +301,34 @@ def _placements(ctx: Context) -> None:
         lambda: check_scalable("model.q_proj.weight", partial),
     )
     fail_on(problems)
+
+
+@case("groups_and_failures_that_would_corrupt_or_hang", (4,))
+def _misuse(ctx: Context) -> None:
+    """Escapes found by attacking: a group that leaves out ranks holding the model (each
+    rank its own; HSDP's shard group alone) silently diverged the replicas; a bad setting on
+    one rank left the others waiting in the build's all-reduce. Now every rank raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    problems = []
+    model = tiny_model("llama")
+    apply_layout(model, "hsdp", mesh_shape=(2, 2))
+    problems += expect_raises(
+        ValueError,
+        ["lies on ranks [0, 1, 2, 3], but process_group has", "would clip with other maxima"],
+        lambda: QKClip(model, 6.0, process_group=own_group()),
+    )
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    problems += expect_raises(
+        ValueError,
+        ["but process_group has"],
+        lambda: QKClip(model, 6.0, process_group=mesh["shard"].get_group()),
+    )
+    bad = "6" if ctx.rank == 2 else 6.0  # a string threshold on one rank only
+    expected = "threshold must be a number" if ctx.rank == 2 else "QKClip failed on another rank"
+    error = TypeError if ctx.rank == 2 else ValueError
+    problems += expect_raises(error, [expected], lambda: QKClip(model, bad).remove())
+    other = tiny_model("qwen3") if ctx.rank == 1 else model  # one rank: another model
+    problems += expect_raises(ValueError, ["disagree"], lambda: QKClip(other, 6.0).remove())
+    QKClip(model, 6.0).remove()  # and afterwards all is well
+    fail_on(problems)

@@ -10,6 +10,9 @@ and the DTensor side in :mod:`~shardmuon.qk_clip.shards`; this module plans and 
 from __future__ import annotations
 
 import math
+import numbers
+import warnings
+import weakref
 import zlib
 from dataclasses import dataclass
 
@@ -90,22 +93,34 @@ class QKClipStats:
         }
 
 
+def _real(name: str, value: object) -> float:
+    """``value`` as a float: Python, numpy and 0-d tensor numbers; bools and strings refused."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got {value!r}") from None
+
+
 def check_qk_clip_settings(
     threshold: float, alpha: float, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
-) -> None:
-    """``TypeError``/``ValueError`` naming a bad QK-clip setting and what is accepted."""
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float):
-        raise TypeError(f"threshold must be a number, got {threshold!r}")
-    if not math.isfinite(threshold) or threshold <= 0:
+) -> tuple[float, float]:
+    """``TypeError``/``ValueError`` naming a bad QK-clip setting and what is accepted; the
+    threshold and alpha as floats."""
+    tau = _real("threshold", threshold)
+    if not math.isfinite(tau) or tau <= 0:
         raise ValueError(f"threshold must be a finite number > 0, got {threshold!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
-        raise TypeError(f"alpha must be a number, got {alpha!r}")
-    if not 0.0 <= alpha <= 1.0:
+    share = _real("alpha", alpha)
+    if not 0.0 <= share <= 1.0:
         raise ValueError(f"alpha must be in [0, 1] (the query's share of the scale), got {alpha!r}")
     if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int):
         raise TypeError(f"chunk_elements must be an int, got {chunk_elements!r}")
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
+    return tau, share
 
 
 def _targets(layer: AttentionLayer) -> list[tuple[str, Tensor]]:
@@ -155,20 +170,71 @@ class QKClip:
         process_group: dist.ProcessGroup | None = None,
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     ) -> None:
-        check_qk_clip_settings(threshold, alpha, chunk_elements)
-        self.threshold, self.alpha = float(threshold), float(alpha)
-        self.layers = find_attention_layers(model)
-        for layer in self.layers:
-            for name, param in _targets(layer):
-                check_scalable(name, param)
         self._group = process_group
         if self._group is None and dist.is_available() and dist.is_initialized():
             self._group = dist.group.WORLD
-        self._recorders = [LayerRecorder(layer, chunk_elements) for layer in self.layers]
-        self._implementations = {implementation_of(layer, model) for layer in self.layers}
-        self._check_agreement(self._settings_fields(), "when QKClip was built")
-        install(self._implementations, self._recorders)
+        self._implementations: set[str] = set()
+        self._recorders: list[LayerRecorder] = []
+        self.layers: list[AttentionLayer] = []
         self.last_stats: QKClipStats | None = None
+        self._warned: set[str] = set()
+        try:
+            self._threshold, self._alpha = check_qk_clip_settings(threshold, alpha, chunk_elements)
+            self.layers = find_attention_layers(model)
+            for layer in self.layers:
+                for name, param in _targets(layer):
+                    check_scalable(name, param)
+                    self._check_covered(name, param)
+            self._implementations = {implementation_of(lay, model) for lay in self.layers}
+            error = None
+        except (TypeError, ValueError) as err:
+            error = err
+        # Every rank of the group joins this check, a rank that failed above included, so a
+        # local failure raises on all of them instead of leaving the others in a collective.
+        self._check_agreement(
+            self._settings_fields(failed=error is not None), "when QKClip was built", error
+        )
+        self._model = weakref.ref(model)
+        self._recorders = [LayerRecorder(layer, chunk_elements) for layer in self.layers]
+        install(self._implementations, self._recorders)
+        # A clip dropped without remove() detaches itself: the model can get a new one.
+        self._finalizer = weakref.finalize(
+            self, uninstall, set(self._implementations), list(self._recorders)
+        )
+
+    def _check_covered(self, name: str, param: Tensor) -> None:
+        """The group must hold every rank with a shard (or a replica) of ``param``: ranks
+        left out would scale their copy by other maxima, and the model would diverge."""
+        if not hasattr(param, "device_mesh") or self._group is None:
+            return
+        holders = set(param.device_mesh.mesh.flatten().tolist())
+        members = set(dist.get_process_group_ranks(self._group))
+        missing = sorted(holders - members)
+        if missing:
+            raise ValueError(
+                f"{name} lies on ranks {sorted(holders)}, but process_group has "
+                f"{sorted(members)}: ranks {missing} would clip with other maxima; pass a group "
+                "with every rank that holds the model (the default, the world, does)"
+            )
+
+    # ------------------------------------------------------------------------- settings
+
+    @property
+    def threshold(self) -> float:
+        """tau; set it on every rank alike (``apply()`` refuses ranks that differ)."""
+        return self._threshold
+
+    @threshold.setter
+    def threshold(self, value: float) -> None:
+        self._threshold, _ = check_qk_clip_settings(value, self._alpha)
+
+    @property
+    def alpha(self) -> float:
+        return self._alpha
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        _, self._alpha = check_qk_clip_settings(self._threshold, value)
 
     # ------------------------------------------------------------------ recording switch
 
@@ -182,9 +248,9 @@ class QKClip:
             recorder.enabled = bool(enabled)
 
     def remove(self) -> None:
-        """Stop recording for good and restore the attention functions (idempotent)."""
-        uninstall(self._implementations, self._recorders)
-        self._implementations = set()
+        """Stop recording for good and restore the attention functions (idempotent; also
+        done when the clip is garbage-collected)."""
+        self._finalizer()
 
     # ------------------------------------------------------------------------ agreement
 
@@ -196,21 +262,35 @@ class QKClip:
         crc = zlib.crc32(text.encode())
         return float(crc >> 16), float(crc & 0xFFFF)
 
-    def _settings_fields(self) -> list[float]:
-        """Each setting and its negation: after a MAX all-reduce, ``a == -b`` on every pair
-        if and only if every rank had the same value."""
-        fields = []
-        for value in (self.threshold, self.alpha, *self._digest()):
+    def _settings_fields(self, failed: bool = False) -> list[float]:
+        """A failure flag, then each setting and its negation: after a MAX all-reduce,
+        ``a == -b`` on every pair if and only if every rank had the same value."""
+        if failed:
+            return [1.0] + [0.0] * 8
+        fields = [0.0]
+        for value in (self._threshold, self._alpha, *self._digest()):
             fields += [value, -value]
         return fields
 
-    def _check_agreement(self, fields: list[float] | Tensor, when: str) -> None:
+    def _check_agreement(
+        self, fields: list[float] | Tensor, when: str, error: Exception | None = None
+    ) -> None:
         if not isinstance(fields, Tensor):
             if self._group is None or dist.get_world_size(self._group) == 1:
+                if error is not None:
+                    raise error
                 return
             fields = torch.tensor(fields, dtype=torch.float64, device=self._device())
             dist.all_reduce(fields, op=dist.ReduceOp.MAX, group=self._group)
+        if error is not None:
+            raise error
         values = fields.tolist()
+        if values[0]:
+            raise ValueError(
+                f"QKClip failed on another rank {when} (its error says why); every rank must "
+                "build QKClip on the same model with the same settings"
+            )
+        values = values[1:]
         labels = ("threshold", "alpha", "layer list", "layer list")
         for label, (largest, negated) in zip(labels, zip(values[::2], values[1::2])):
             if largest != -negated:
@@ -223,6 +303,13 @@ class QKClip:
                 )
 
     def _device(self) -> torch.device:
+        if not self.layers:  # construction failed on this rank: any device the group takes
+            backend = dist.get_backend(self._group) if self._group is not None else "gloo"
+            return (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl"
+                else torch.device("cpu")
+            )
         return local_tensor(self.layers[0].q_module.weight).device
 
     # ---------------------------------------------------------------------------- apply
@@ -234,6 +321,7 @@ class QKClip:
         count the heads it would clip). Raises on every rank alike when no forward pass was
         recorded, when a layer recorded nothing while others did, or when a max logit is
         not finite."""
+        self._check_implementations()
         device = self._device()
         parts = []
         for recorder in self._recorders:
@@ -257,19 +345,37 @@ class QKClip:
         self.last_stats = QKClipStats(self.threshold, stats)
         return self.last_stats
 
+    def _check_implementations(self) -> None:
+        """Local and alike on every rank (the model's settings): before any collective."""
+        model = self._model()
+        if model is None:
+            return
+        now = {implementation_of(layer, model) for layer in self.layers}
+        if not now <= self._implementations:
+            raise RuntimeError(
+                f"the model's attention implementation changed to {sorted(now)} after QKClip "
+                f"was built (it records through {sorted(self._implementations)}); call "
+                "remove() and build a new QKClip"
+            )
+
     def _check_maxima(self, maxima_per_layer: tuple[Tensor, ...]) -> None:
-        seen = [bool(torch.isfinite(m).any() or (m == math.inf).any()) for m in maxima_per_layer]
+        seen = [bool((m > -math.inf).any()) for m in maxima_per_layer]
         if not any(seen):
             raise RuntimeError(
                 "QKClip.apply(): no forward pass was recorded since the last apply() on any "
                 "rank (recording off, the model in eval mode, or no forward run)"
             )
         silent = [lay.name for lay, s in zip(self.layers, seen) if not s]
-        if silent:
-            raise RuntimeError(
-                f"QKClip.apply(): {', '.join(silent[:3])}{' ...' if len(silent) > 3 else ''} "
-                "recorded nothing while other layers did: its attention did not go through "
-                "Hugging Face's attention functions"
+        new = [name for name in silent if name not in self._warned]
+        if new:
+            # A layer that did not run this step (a vision tower on a text-only batch) is
+            # left as it is; one that never records bypasses the attention functions.
+            self._warned.update(new)
+            warnings.warn(
+                f"QKClip.apply(): {', '.join(new[:3])}{' ...' if len(new) > 3 else ''} recorded "
+                "nothing while other layers did, so it is not clipped this step: it did not run, "
+                "or its attention does not go through Hugging Face's attention functions",
+                stacklevel=3,
             )
         bad = [lay.name for lay, m in zip(self.layers, maxima_per_layer) if (m == math.inf).any()]
         if bad:
@@ -281,6 +387,10 @@ class QKClip:
     def _clip_layer(self, layer: AttentionLayer, maxima: Tensor, scale: bool) -> LayerClipStats:
         gammas = head_gammas(maxima, self.threshold)
         clipped = int((gammas < 1).sum())
+        if not (maxima > -math.inf).any():  # did not run this step: untouched
+            return LayerClipStats(
+                layer.name, tuple(maxima.tolist()), 0, 1.0, tuple(maxima.tolist())
+            )
         smallest = float(gammas.min()) if clipped else 1.0
         if layer.qk_norm:
             q_heads = torch.full_like(gammas, smallest**self.alpha)

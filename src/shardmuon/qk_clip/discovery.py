@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from shardmuon.routing import fused_qkv_partition
@@ -96,15 +97,71 @@ def _head_shape(name: str, module: nn.Module, model: nn.Module) -> tuple[int, in
 
 
 def _check_rows(name: str, part: str, rows: int, heads: int, head_dim: int) -> None:
-    if rows != heads * head_dim:
+    expected = heads * head_dim
+    if rows != expected:
+        hint = "the heads do not divide the projection rows as the config says"
+        if rows % expected == 0:
+            hint = (
+                f"{rows // expected}x what the heads need: a gated or otherwise extended "
+                "projection, which QK-clip cannot split into heads"
+            )
         raise ValueError(
             f"{name}: {part} has {rows} rows, not heads x head_dim = {heads} x {head_dim} = "
-            f"{heads * head_dim}; the heads do not divide the projection rows as the config says"
+            f"{expected}; {hint}"
         )
 
 
+_NORM_ALIASES = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
+
+
+def _present(norm: nn.Module | None) -> nn.Module | None:
+    """``norm`` unless it is absent in effect (``None``, ``nn.Identity``)."""
+    return None if norm is None or isinstance(norm, nn.Identity) else norm
+
+
+def _gain_is_multiplicative(norm: nn.Module) -> bool:
+    """Whether scaling ``norm``'s gain by ``s`` scales its output by ``s`` (``x / rms(x) * w``,
+    not Gemma's ``x * (1 + w)`` nor a LayerNorm with a bias): probed on a copy of the module
+    with a plain random gain, so it needs neither the real weights nor a collective."""
+    import copy
+
+    weight = norm.weight
+    try:
+        probe = copy.deepcopy(norm).to("cpu")
+        gain = torch.rand(tuple(weight.shape), generator=torch.Generator().manual_seed(0)) + 0.5
+        x = torch.randn(3, int(weight.shape[-1]), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            # Other parameters (a bias) at values training could give them, not their init.
+            for name, param in list(probe.named_parameters()):
+                if name != "weight" and "." not in name:
+                    setattr(probe, name, nn.Parameter(torch.rand(tuple(param.shape)) + 0.5))
+            # forward itself: a parallel style's hooks expect DTensors, not the probe's input.
+            probe.weight = nn.Parameter(gain.clone())
+            once = probe.forward(x).double()
+            probe.weight = nn.Parameter(gain * 2)
+            twice = probe.forward(x).double()
+    except Exception:  # a norm that cannot run alone on the CPU: cannot be vouched for
+        return False
+    return bool(torch.allclose(twice, 2 * once, rtol=1e-5, atol=1e-6)) and not torch.allclose(
+        twice, once
+    )
+
+
 def _norms(name: str, module: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
-    q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    children = dict(module.named_children())
+    for q_key, k_key in _NORM_ALIASES:
+        q_norm, k_norm = _present(children.get(q_key)), _present(children.get(k_key))
+        if q_norm is not None or k_norm is not None:
+            break
+    others = sorted(
+        n for n, child in children.items()
+        if "norm" in n.lower() and _present(child) is not None and n not in (q_key, k_key)
+    )  # fmt: skip
+    if others:
+        raise ValueError(
+            f"{name} normalises its queries or keys with {', '.join(others)}, which QK-clip "
+            "does not know how to scale (a norm after the projections undoes a row scale)"
+        )
     if q_norm is None and k_norm is None:
         return None, None
     if q_norm is None or k_norm is None:
@@ -112,11 +169,17 @@ def _norms(name: str, module: nn.Module) -> tuple[nn.Module | None, nn.Module | 
             f"{name} normalises only its {'queries' if q_norm is not None else 'keys'}: QK-clip "
             "needs both norms' gains (or neither) to bound the logits"
         )
-    for norm_name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+    for norm_name, norm in ((q_key, q_norm), (k_key, k_norm)):
         if getattr(norm, "weight", None) is None:
             raise ValueError(
                 f"{name}.{norm_name} has no gain (weight): after a norm, scaling the projection "
                 "does nothing, and there is no gain to scale instead"
+            )
+        if not _gain_is_multiplicative(norm):
+            raise ValueError(
+                f"{name}.{norm_name} ({type(norm).__name__}) does not scale its output with its "
+                "gain (e.g. Gemma's x * (1 + w), or a bias): QK-clip can bound the logits of "
+                "norms of the form x / rms(x) * w only"
             )
     return q_norm, k_norm
 

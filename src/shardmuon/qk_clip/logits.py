@@ -85,6 +85,8 @@ def max_logits_per_head(
     *,
     causal: bool = True,
     sliding_window: int | None = None,
+    key_padding: Tensor | None = None,
+    segments: Tensor | None = None,
     chunk_heads: int | None = None,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> Tensor:
@@ -95,7 +97,10 @@ def max_logits_per_head(
     ``query``: ``[batch, heads, q_len, head_dim]``; ``key``: ``[batch, kv_heads, kv_len,
     head_dim]`` (``heads`` a multiple of ``kv_heads``: query head ``h`` reads key head
     ``h // (heads // kv_heads)``); ``attention_mask``: ``None`` or ``[batch, 1 or heads,
-    q_len, kv_len]`` bool (True: attend) or additive float. ``chunk_heads``: the head count
+    q_len, kv_len]`` bool (True: attend) or additive float; without one, causal and
+    ``sliding_window`` apply, and flash-style inputs: ``key_padding`` ``[batch, kv_len]``
+    (True/1: a real token) and ``segments`` ``[batch, kv_len]`` (packed sequences: the
+    document of each position; a query sees keys of its own document only). ``chunk_heads``: the head count
     the block size is computed for (default ``heads``; pass the global count under tensor
     parallel so that every rank blocks alike). Scores are computed in float32 (float64
     inputs in float64; half-precision ones on CUDA in their own dtype).
@@ -137,6 +142,14 @@ def max_logits_per_head(
             valid = _valid_positions(
                 mask_b, rows, kv_len, offset, causal, sliding_window, query.device
             )
+            if key_padding is not None:
+                keep = key_padding[b0:b1, None, None, :kv_len].bool()
+                valid = keep if valid is None else valid & keep
+            if segments is not None:
+                seg = segments[b0:b1]
+                query_seg = seg[:, None, offset + rows.start : offset + rows.stop, None]
+                same = query_seg == seg[:, None, None, :kv_len]
+                valid = same if valid is None else valid & same
             if valid is not None:
                 scores.masked_fill_(~valid.expand(n, heads, c, kv_len), -math.inf)
             out = torch.maximum(out, scores.amax(dim=(0, 2, 3)).to(out_dtype))

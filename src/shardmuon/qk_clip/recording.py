@@ -46,7 +46,9 @@ class LayerRecorder:
     def reset(self) -> None:
         self.maxima = None
 
-    def observe(self, query: Tensor, key: Tensor, mask: Tensor | None, kwargs: dict) -> None:
+    def observe(
+        self, query: Tensor, key: Tensor, mask: Tensor | None, kwargs: dict, implementation: str
+    ) -> None:
         module, layer = self.layer.module, self.layer
         if not (self.enabled and module.training):
             return
@@ -59,8 +61,13 @@ class LayerRecorder:
         scaling = kwargs.get("scaling")
         if scaling is None:
             scaling = getattr(module, "scaling", layer.head_dim**-0.5)
-        if mask is not None:
+        key_padding = segments = None
+        if mask is not None and mask.ndim == 2:  # flash's [batch, kv] padding mask
+            key_padding, mask = mask, None
+        elif mask is not None:
             mask = mask[..., : key.shape[-2]]
+        if mask is None and implementation.startswith("flash"):
+            segments = _packed_segments(kwargs, query.shape[0], key.shape[-2])
         with torch.no_grad():
             seen = max_logits_per_head(
                 query.detach(),
@@ -69,6 +76,8 @@ class LayerRecorder:
                 mask,
                 causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
                 sliding_window=kwargs.get("sliding_window"),
+                key_padding=key_padding,
+                segments=segments,
                 chunk_heads=layer.num_heads,
                 chunk_elements=self.chunk_elements,
             ).float()
@@ -78,6 +87,23 @@ class LayerRecorder:
             )
         part = self.maxima[offset : offset + local_heads]
         torch.maximum(part, seen.nan_to_num(nan=math.inf), out=part)
+
+
+def _packed_segments(kwargs: dict, batch: int, kv_len: int) -> Tensor | None:
+    """The document of each key position when flash attention runs packed sequences (as
+    Hugging Face's flash path detects them: ``cu_seq_lens_k``, or one row whose
+    ``position_ids`` restart at 0), else ``None``."""
+    bounds = kwargs.get("cu_seq_lens_k")
+    if bounds is not None:
+        positions = torch.arange(kv_len, device=bounds.device)
+        return torch.bucketize(positions, bounds[1:], right=True)[None].expand(batch, kv_len)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or batch != 1 or position_ids.shape[-1] != kv_len:
+        return None
+    starts = position_ids.reshape(1, -1) == 0
+    if not starts[:, 1:].any():
+        return None
+    return starts.cumsum(dim=-1)
 
 
 def _eager_of(module: nn.Module) -> Callable:
@@ -90,11 +116,11 @@ def _eager_of(module: nn.Module) -> Callable:
     return fn
 
 
-def _wrapper(original: Callable | None) -> Callable:
+def _wrapper(name: str, original: Callable | None) -> Callable:
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         recorder = _RECORDERS.get(module)
         if recorder is not None:
-            recorder.observe(query, key, attention_mask, kwargs)
+            recorder.observe(query, key, attention_mask, kwargs, name)
         fn = original if original is not None else _eager_of(module)
         return fn(module, query, key, value, attention_mask, *args, **kwargs)
 
@@ -107,12 +133,23 @@ def implementation_of(layer: AttentionLayer, model: nn.Module) -> str:
     for source in (layer.module, model):
         config = getattr(source, "config", None)
         name = getattr(config, "_attn_implementation", None)
+        if name in UNSUPPORTED:
+            raise ValueError(
+                f"{layer.name} runs attention implementation {name!r}: QK-clip cannot record "
+                f"it ({UNSUPPORTED[name]})"
+            )
         if name:
             return name
     raise ValueError(
         f"{layer.name}: no attention implementation set (config._attn_implementation); "
         "QK-clip records through Hugging Face's attention functions"
     )
+
+
+# Implementations whose inputs the recorder cannot read (flex's BlockMask).
+UNSUPPORTED = {
+    "flex_attention": "its BlockMask cannot be read here; use sdpa, eager or flash attention"
+}
 
 
 def install(names: set[str], recorders: list[LayerRecorder]) -> None:
@@ -133,7 +170,7 @@ def install(names: set[str], recorders: list[LayerRecorder]) -> None:
         original = AttentionInterface._global_mapping.get(name)
         if original is None and name != "eager":
             raise ValueError(f"attention implementation {name!r} is not registered")
-        AttentionInterface.register(name, _wrapper(original))
+        AttentionInterface.register(name, _wrapper(name, original))
         _INSTALLED[name] = (original, 1)
     for recorder in recorders:
         _RECORDERS[recorder.layer.module] = recorder

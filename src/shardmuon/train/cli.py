@@ -127,9 +127,9 @@ def add_parser(subparsers) -> None:
     train.add_argument(
         "--qk-clip-alpha",
         type=float,
-        default=defaults.qk_clip_alpha,
+        default=None,
         metavar="A",
-        help="QK-clip: the query's share of the scale, in [0, 1]",
+        help=f"QK-clip: the query's share of the scale, in [0, 1] (default {defaults.qk_clip_alpha})",
     )
     train.add_argument(
         "--log-max-logit",
@@ -245,7 +245,9 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         mesh=parse_mesh_shape(args.mesh, "DPxTP, e.g. 2x2"),
         offload=None if args.offload == "none" else args.offload,
         qk_clip_threshold=args.qk_clip_threshold,
-        qk_clip_alpha=args.qk_clip_alpha,
+        qk_clip_alpha=TrainConfig.qk_clip_alpha
+        if args.qk_clip_alpha is None
+        else args.qk_clip_alpha,
         log_max_logit=args.log_max_logit,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
@@ -260,6 +262,11 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
     if config.resume and config.resume_dion:
         raise ValueError("give either --resume or --resume-dion, not both")
+    if args.qk_clip_alpha is not None and args.qk_clip_threshold is None:
+        raise ValueError(
+            f"--qk-clip-alpha {args.qk_clip_alpha} given without --qk-clip-threshold: alpha only "
+            "matters when clipping; give the threshold too"
+        )
     return adopt_checkpoint_settings(config, given)
 
 

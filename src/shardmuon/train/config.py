@@ -137,7 +137,10 @@ class TrainConfig:
             from shardmuon.qk_clip import check_qk_clip_settings
 
             threshold = 100.0 if self.qk_clip_threshold is None else self.qk_clip_threshold
-            check_qk_clip_settings(threshold, self.qk_clip_alpha)
+            try:
+                check_qk_clip_settings(threshold, self.qk_clip_alpha)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"qk_clip_{err}") from None
         if self.resume and self.resume_dion:
             raise ValueError("give either resume or resume_dion, not both")
         if self.optimizer == "muon":
