@@ -121,11 +121,20 @@ def run_layout(
     """
     model = tiny_model(kind, layers).to(dtype)
     reference = copy.deepcopy(model)
-    applied = apply_layout(model, layout, mesh_shape=mesh_shape)
-    dp = applied.meshes["dp"]
-    # HSDP's dp mesh is 2-D (replicate, shard): every rank its own data.
-    data_rank = dp.get_local_rank() if dp.ndim == 1 and layout == "fsdp-tp" else ctx.rank
-    data_world = dp.size() if layout == "fsdp-tp" else ctx.world_size
+    if layout == "tp":  # tensor parallel alone: every rank the same data, its own heads
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from shardmuon.harness.parallel import tensor_parallel_plan
+
+        mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("tp",))
+        parallelize_module(model, mesh, tensor_parallel_plan(model))
+        data_rank, data_world = 0, 1
+    else:
+        dp = apply_layout(model, layout, mesh_shape=mesh_shape).meshes["dp"]
+        # HSDP's dp mesh is 2-D (replicate, shard): every rank its own data.
+        data_rank = dp.get_local_rank() if dp.ndim == 1 and layout == "fsdp-tp" else ctx.rank
+        data_world = dp.size() if layout == "fsdp-tp" else ctx.world_size
     clip, ref_clip = QKClip(model, tau), QKClip(reference, tau, process_group=own_group())
     problems = []
     try:
@@ -192,6 +201,13 @@ def _fsdp_tp_llama(ctx: Context) -> None:
 @case("fsdp_over_tp_2x2_llama_two_layers_same_maxima", (4,))
 def _fsdp_tp_llama_deep(ctx: Context) -> None:
     run_layout(ctx, "llama", "fsdp-tp", (2, 2), layers=2, same_maxima=True)
+
+
+@case("tp_only_llama_one_layer", (2,))
+def _tp_llama(ctx: Context) -> None:
+    """Tensor parallel without FSDP: each rank computes 2 of the 4 query heads (and 1 of the
+    2 key heads); the maxima are placed at each rank's head offset."""
+    run_layout(ctx, "llama", "tp", None, layers=1)
 
 
 @case("fsdp_over_tp_2x2_qwen3_one_layer", (4,))
