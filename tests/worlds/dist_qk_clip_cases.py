@@ -346,5 +346,15 @@ def _misuse(ctx: Context) -> None:
     problems += expect_raises(error, [expected], lambda: QKClip(model, bad).remove())
     other = tiny_model("qwen3") if ctx.rank == 1 else model  # one rank: another model
     problems += expect_raises(ValueError, ["disagree"], lambda: QKClip(other, 6.0).remove())
+    # One rank still holds an older clip on the model: that rank says so, the others that it
+    # failed elsewhere (no rank is left in a collective).
+    from shardmuon.qk_clip import recording
+
+    attention = model.model.layers[0].self_attn
+    if ctx.rank == 3:
+        recording._RECORDERS[attention] = "an older clip's recorder"
+    expected = "already record for another QKClip" if ctx.rank == 3 else "failed on another rank"
+    problems += expect_raises(ValueError, [expected], lambda: QKClip(model, 6.0).remove())
+    recording._RECORDERS.pop(attention, None)
     QKClip(model, 6.0).remove()  # and afterwards all is well
     fail_on(problems)

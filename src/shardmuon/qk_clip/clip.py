@@ -29,7 +29,13 @@ from shardmuon.qk_clip.logits import (
     query_factors,
     row_factors,
 )
-from shardmuon.qk_clip.recording import LayerRecorder, implementation_of, install, uninstall
+from shardmuon.qk_clip.recording import (
+    LayerRecorder,
+    check_free,
+    implementation_of,
+    install,
+    uninstall,
+)
 from shardmuon.qk_clip.shards import check_scalable, scale_rows_, scale_whole_
 
 __all__ = ["LayerClipStats", "QKClip", "QKClipStats", "check_qk_clip_settings"]
@@ -186,6 +192,7 @@ class QKClip:
                     check_scalable(name, param)
                     self._check_covered(name, param)
             self._implementations = {implementation_of(lay, model) for lay in self.layers}
+            check_free(self.layers)
             error = None
         except (TypeError, ValueError) as err:
             error = err

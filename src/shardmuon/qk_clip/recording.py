@@ -26,7 +26,7 @@ from shardmuon.qk_clip.discovery import AttentionLayer
 from shardmuon.qk_clip.logits import max_logits_per_head
 from shardmuon.qk_clip.shards import head_offset
 
-__all__ = ["LayerRecorder", "implementation_of", "install", "uninstall"]
+__all__ = ["LayerRecorder", "check_free", "implementation_of", "install", "uninstall"]
 
 _RECORDERS: weakref.WeakKeyDictionary[nn.Module, LayerRecorder] = weakref.WeakKeyDictionary()
 # implementation name -> (the original entry or None for the model's own eager, users)
@@ -152,16 +152,21 @@ UNSUPPORTED = {
 }
 
 
+def check_free(layers: list[AttentionLayer]) -> None:
+    """``ValueError`` if one of ``layers`` already records for another QKClip."""
+    taken = [layer.name for layer in layers if layer.module in _RECORDERS]
+    if taken:
+        raise ValueError(
+            f"{', '.join(taken)} already record for another QKClip; call its remove() first"
+        )
+
+
 def install(names: set[str], recorders: list[LayerRecorder]) -> None:
     """Put the recording wrapper in front of each implementation of ``names`` and attach
     ``recorders`` to their modules; ``ValueError`` if a module already has one."""
     from transformers.modeling_utils import AttentionInterface
 
-    taken = [r.layer.name for r in recorders if r.layer.module in _RECORDERS]
-    if taken:
-        raise ValueError(
-            f"{', '.join(taken)} already record for another QKClip; call its remove() first"
-        )
+    check_free([r.layer for r in recorders])
     for name in sorted(names):
         if name in _INSTALLED:
             original, users = _INSTALLED[name]
