@@ -151,7 +151,7 @@ def max_logits_per_head(
                 same = query_seg == seg[:, None, None, :kv_len]
                 valid = same if valid is None else valid & same
             if valid is not None:
-                scores.masked_fill_(~valid.expand(n, heads, c, kv_len), -math.inf)
+                scores.masked_fill_(~valid, -math.inf)  # broadcast: no [n, heads, c, kv] mask
             out = torch.maximum(out, scores.amax(dim=(0, 2, 3)).to(out_dtype))
     return out
 

@@ -42,6 +42,7 @@ class LayerRecorder:
         self.chunk_elements = chunk_elements
         self.enabled = True
         self.maxima: Tensor | None = None
+        self._offsets: dict[int, int] = {}  # local head count -> first global head
 
     def reset(self) -> None:
         self.maxima = None
@@ -55,9 +56,11 @@ class LayerRecorder:
         local_heads = query.shape[1]
         offset = 0
         if local_heads != layer.num_heads:
-            offset = head_offset(
-                layer.name, layer.q_module.weight, layer.q_start, layer.head_dim, local_heads
-            )
+            if local_heads not in self._offsets:  # the placement does not change: once
+                self._offsets[local_heads] = head_offset(
+                    layer.name, layer.q_module.weight, layer.q_start, layer.head_dim, local_heads
+                )
+            offset = self._offsets[local_heads]
         scaling = kwargs.get("scaling")
         if scaling is None:
             scaling = getattr(module, "scaling", layer.head_dim**-0.5)
