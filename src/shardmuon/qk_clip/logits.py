@@ -36,30 +36,42 @@ __all__ = [
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
 
+def _key_range(
+    rows: range, kv_len: int, offset: int, causal: bool, sliding_window: int | None, masked: bool
+) -> range:
+    """The keys a block of queries can see by the causal and sliding-window rules (all of
+    them when a mask rules instead): a causal block skips the keys after its last query."""
+    if masked:
+        return range(kv_len)
+    stop = min(kv_len, offset + rows.stop) if causal else kv_len
+    start = max(0, offset + rows.start - sliding_window + 1) if sliding_window else 0
+    return range(start, max(start, stop))
+
+
 def _valid_positions(
     mask: Tensor | None,
     rows: range,
-    kv_len: int,
+    keys: range,
     offset: int,
     causal: bool,
     sliding_window: int | None,
     device: torch.device,
 ) -> Tensor | None:
-    """``[len(rows), kv_len]`` bool (or broadcastable), True where a query may attend.
+    """``[len(rows), len(keys)]`` bool (or broadcastable), True where a query may attend.
 
     ``mask``: this sequence's slice of the attention mask, ``[heads or 1, q, kv]`` bool
     (True: attend) or additive float (masked: very negative); without one, the causal and
     sliding-window rules (queries are the last positions: ``offset = kv_len - q_len``).
     """
     if mask is not None:
-        block = mask[..., rows.start : rows.stop, :]
+        block = mask[..., rows.start : rows.stop, keys.start : keys.stop]
         if block.dtype == torch.bool:
             return block
         return block > torch.finfo(block.dtype).min / 2
     if not causal and sliding_window is None:
         return None
     query_pos = torch.arange(rows.start, rows.stop, device=device)[:, None] + offset
-    key_pos = torch.arange(kv_len, device=device)[None, :]
+    key_pos = torch.arange(keys.start, keys.stop, device=device)[None, :]
     valid = key_pos <= query_pos if causal else torch.ones_like(key_pos, dtype=torch.bool)
     if sliding_window is not None:
         valid = valid & (key_pos > query_pos - sliding_window)
@@ -135,20 +147,24 @@ def max_logits_per_head(
         mask_b = attention_mask[b0:b1] if attention_mask is not None else None
         for start in range(0, q_len, block):
             rows = range(start, min(q_len, start + block))
+            keys = _key_range(rows, kv_len, offset, causal, sliding_window, mask_b is not None)
+            if not keys:
+                continue
             q = query[b0:b1, :, rows.start : rows.stop].to(dtype)  # [n, heads, c, head_dim]
             n, _, c, _ = q.shape
-            scores = torch.matmul(q.reshape(n, kv_heads, group * c, head_dim), keys_t)
-            scores = scores.view(n, heads, c, kv_len).mul_(scaling)
+            k = keys_t[..., keys.start : keys.stop]
+            scores = torch.matmul(q.reshape(n, kv_heads, group * c, head_dim), k)
+            scores = scores.view(n, heads, c, len(keys)).mul_(scaling)
             valid = _valid_positions(
-                mask_b, rows, kv_len, offset, causal, sliding_window, query.device
+                mask_b, rows, keys, offset, causal, sliding_window, query.device
             )
             if key_padding is not None:
-                keep = key_padding[b0:b1, None, None, :kv_len].bool()
+                keep = key_padding[b0:b1, None, None, keys.start : keys.stop].bool()
                 valid = keep if valid is None else valid & keep
             if segments is not None:
                 seg = segments[b0:b1]
                 query_seg = seg[:, None, offset + rows.start : offset + rows.stop, None]
-                same = query_seg == seg[:, None, None, :kv_len]
+                same = query_seg == seg[:, None, None, keys.start : keys.stop]
                 valid = same if valid is None else valid & same
             if valid is not None:
                 scores.masked_fill_(~valid, -math.inf)  # broadcast: no [n, heads, c, kv] mask
