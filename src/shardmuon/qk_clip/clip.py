@@ -134,12 +134,13 @@ def _targets(layer: AttentionLayer) -> list[tuple[str, Tensor]]:
     if layer.qk_norm:
         return [(f"{layer.name}.q_norm.weight", layer.q_norm.weight),
                 (f"{layer.name}.k_norm.weight", layer.k_norm.weight)]  # fmt: skip
+    names = {child: name for name, child in layer.module.named_children()}
     out = []
     for module in dict.fromkeys((layer.q_module, layer.k_module)):
         for kind in ("weight", "bias"):
             param = getattr(module, kind, None)
             if param is not None:
-                out.append((f"{layer.name}.{kind}", param))
+                out.append((f"{layer.name}.{names.get(module, '?')}.{kind}", param))
     return out
 
 
