@@ -106,3 +106,20 @@ def test_bad_qk_clip_settings_exit_2_before_training(argv, message, capsys):
     assert train_main([*argv, "--quiet"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "layout", "nproc", "tau"),
+    [("tiny-moe", "ep", 2, 1.0), ("tiny-llama", "fsdp-tp", 4, 0.2)],
+)
+def test_expert_and_tensor_parallel_runs_clip(model, layout, nproc, tau):
+    """QK-norm gains under expert parallelism; q/k rows split over tp ranks under FSDP2 over
+    TP: heads clipped, and the bound after each clip."""
+    result = run_training(
+        dataclasses.replace(
+            BASE, model=model, layout=layout, nproc=nproc, steps=3, qk_clip_threshold=tau
+        )
+    )
+    assert result.clipped_heads[1] > 0, result.clipped_heads
+    assert max(result.max_logits_after.values()) <= tau * (1 + 1e-6)
