@@ -22,6 +22,7 @@ from shardmuon.bench.report import new_progress, repeat_times, synchronize
 from shardmuon.bench.volume import padded_scheme_bytes
 from shardmuon.harness.models import model_config
 from shardmuon.harness.parallel import apply_layout
+from shardmuon.ops.ns_engine import NS_DTYPES
 from shardmuon.planning.placements import local_tensor
 
 __all__ = ["ORDERS", "StepConfig", "replay_newton_schulz", "run_order", "worker"]
@@ -57,7 +58,8 @@ class StepConfig:
         if self.ns_impl is not None:
             options["newton_schulz_impl"] = self.ns_impl
         if self.ns_dtype is not None:
-            options["newton_schulz_dtype"] = str(DTYPES[self.ns_dtype]).removeprefix("torch.")
+            dtype = DTYPES[self.ns_dtype]
+            options["newton_schulz_dtype"] = next(k for k, v in NS_DTYPES.items() if v == dtype)
         return options
 
 

@@ -395,10 +395,6 @@ class QKClip:
     def _clip_layer(self, layer: AttentionLayer, maxima: Tensor, scale: bool) -> LayerClipStats:
         gammas = head_gammas(maxima, self.threshold)
         clipped = int((gammas < 1).sum())
-        if not (maxima > -math.inf).any():  # did not run this step: untouched
-            return LayerClipStats(
-                layer.name, tuple(maxima.tolist()), 0, 1.0, tuple(maxima.tolist())
-            )
         smallest = float(gammas.min()) if clipped else 1.0
         if layer.qk_norm:
             q_heads = torch.full_like(gammas, smallest**self.alpha)
