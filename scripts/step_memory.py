@@ -77,6 +77,24 @@ def _dion_optimizer(groups: list[dict], mesh, overhead: bool):
     )  # fmt: skip
 
 
+def _replace_newton_schulz_with_a_cast(optimizer_module) -> None:
+    """Newton–Schulz becomes a bf16 cast (what is left is the step's own overhead), in this
+    tree (the engine table) or an older one (its ``NS_IMPLEMENTATIONS``)."""
+    old_table = getattr(optimizer_module, "NS_IMPLEMENTATIONS", None)
+    if old_table is not None:
+        old_table["folded"] = lambda G, coefficients=None, eps=1e-8: G.to(torch.bfloat16)
+        return
+    import dataclasses
+
+    from shardmuon.ops.engines import ENGINES
+    from shardmuon.ops.normalize import Normalized
+
+    def cast(G, coefficients, eps, **_):
+        return Normalized(G.to(torch.bfloat16), torch.zeros(G.size(0), dtype=torch.bool))
+
+    ENGINES["folded"] = dataclasses.replace(ENGINES["folded"], run=cast)
+
+
 def worker(
     rank: int, world: int, port: int, src: str | None, options: tuple[bool, bool, bool, str]
 ):
@@ -90,9 +108,7 @@ def worker(
     from shardmuon.bench.memory import measure_cpu_step
 
     if overhead:
-        shardmuon.optimizer.NS_IMPLEMENTATIONS["folded"] = lambda G, coefficients=None, eps=1e-8: (
-            G.to(torch.bfloat16)
-        )
+        _replace_newton_schulz_with_a_cast(shardmuon.optimizer)
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
@@ -148,8 +164,11 @@ def worker(
 
 
 def main() -> None:
+    from shardmuon.harness.cli_support import positive_int
+    from shardmuon.harness.processes import check_process_count
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=positive_int, default=2)
     parser.add_argument("--src", default=None, help="import shardmuon from this src folder")
     parser.add_argument("--offload", action="store_true", help="Muon(offload='state')")
     parser.add_argument("--overhead", action="store_true", help="time the step without NS")
@@ -158,6 +177,10 @@ def main() -> None:
         "--check-grads", choices=("first", "always"), default="first", help="Muon(check_grads=)"
     )
     args = parser.parse_args()
+    try:
+        check_process_count(args.nproc)
+    except ValueError as err:
+        parser.error(str(err))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -18,15 +18,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from shardmuon.ops.engines import resolve_restarts
 from shardmuon.ops.newton_schulz import resolve_coefficients
-
-# NS_IMPLEMENTATIONS: the table benchmarks patch (``shardmuon.optimizer.NS_IMPLEMENTATIONS``).
-from shardmuon.ops.ns_engine import (  # noqa: F401
-    NS_CHOICES,
-    NS_IMPLEMENTATIONS,
-    Orthogonalizer,
-    resolve_ns_dtype,
-)
+from shardmuon.ops.ns_engine import NS_CHOICES, EngineCost, Orthogonalizer, resolve_ns_dtype
 from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.chunks import Chunk, batch_for_directions, chunk_info, communicates
 from shardmuon.planning.placements import local_tensor
@@ -195,9 +189,7 @@ class Muon(Optimizer):
             coefficients=resolve_coefficients(newton_schulz_coefficients),
             newton_schulz_impl=newton_schulz_impl,
             newton_schulz_dtype=newton_schulz_dtype,
-            newton_schulz_restarts=None
-            if newton_schulz_restarts is None
-            else tuple(newton_schulz_restarts),
+            newton_schulz_restarts=newton_schulz_restarts,
             newton_schulz_guard=newton_schulz_guard,
             max_in_flight=max_in_flight,
             workspace_bytes=workspace_bytes,
@@ -208,6 +200,9 @@ class Muon(Optimizer):
             check_grads=check_grads,
         )
         self._check_options()
+        self.newton_schulz_restarts = resolve_restarts(
+            newton_schulz_restarts, len(self.coefficients)
+        )
         self.update_rms = float(update_rms)
         self._raw_partitions = dict(matrix_partitions or {})
         self._reset_runtime()
@@ -273,6 +268,7 @@ class Muon(Optimizer):
             self.rotate_owners,
             self.split_replicas,
             self.workspace_bytes,
+            self._engine_cost(),
         )
 
     def _current_settings(self) -> tuple:
@@ -283,6 +279,7 @@ class Muon(Optimizer):
             self.rotate_owners,
             self.split_replicas,
             self.workspace_bytes,
+            self._engine_cost(),
         )
 
     def _ensure_plan(self) -> None:
@@ -387,13 +384,22 @@ class Muon(Optimizer):
         return self._state_stager
 
     def _orthogonalizer(self) -> Orthogonalizer:
-        guard, impl = self.newton_schulz_guard, self.newton_schulz_impl
-        dtype = resolve_ns_dtype(self.newton_schulz_dtype)
         return Orthogonalizer(
-            impl,
-            dtype,
+            self.newton_schulz_impl,
+            resolve_ns_dtype(self.newton_schulz_dtype),
             self.newton_schulz_restarts,
-            guard=impl == "gram" if guard is None else guard,
+            guard=self.newton_schulz_guard,
+        )
+
+    def _engine_cost(self) -> EngineCost:
+        """The Newton–Schulz cost model the plan's workspace and owner balancing read."""
+        return EngineCost(
+            impl=self.newton_schulz_impl,
+            dtype=resolve_ns_dtype(self.newton_schulz_dtype),
+            restarts=resolve_restarts(self.newton_schulz_restarts, len(self.coefficients)),
+            guard=self.newton_schulz_guard,
+            coefficients=tuple(map(tuple, self.coefficients)),
+            device_type=self._device().type,
         )
 
     def _context(self) -> StepContext:
@@ -466,7 +472,8 @@ class Muon(Optimizer):
         if isinstance(chunk, MuonBatch):
             stats = self.last_step_stats
             stats.workspace_peak_bytes = max(
-                stats.workspace_peak_bytes, sum(vars(batch_bytes(chunk)).values())
+                stats.workspace_peak_bytes,
+                sum(vars(batch_bytes(chunk, self._plan.ns_cost)).values()),
             )
         self._round.add(key)
         if len(self._round) == len(chunks):
@@ -492,7 +499,9 @@ class Muon(Optimizer):
         """Every group's ranks agree on batches, settings and grads (see ``runtime/agreement.py``)."""
         settings = self._settings(AGREED_SETTINGS)
         settings["coefficients"] = tuple(map(tuple, self.coefficients))
-        schedule = step_schedule(self._plan.batches, self.workspace_bytes, self.max_in_flight)
+        schedule = step_schedule(
+            self._plan.batches, self.workspace_bytes, self.max_in_flight, self._plan.ns_cost
+        )
         check_plan_agreement(
             self._plan, self.param_groups, settings, self._device(), schedule,
             compare_grads=self.check_grads != "never",

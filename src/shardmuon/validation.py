@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from shardmuon.ops.ns_engine import resolve_ns_dtype
+from shardmuon.ops.engines import engines_of, resolve_ns_dtype, resolve_restarts
 from shardmuon.ops.update import ADJUST_LR_CHOICES
 
 __all__ = [
@@ -252,13 +252,12 @@ def check_optimizer_settings(
     check_int("offload_prefetch", prefetch, 1, "an int >= 1")
     _check_choice("newton_schulz_impl", settings["newton_schulz_impl"], ns_impls)
     resolve_ns_dtype(settings["newton_schulz_dtype"])
-    restarts = settings["newton_schulz_restarts"]
-    if restarts is not None and not (
-        isinstance(restarts, tuple)
-        and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in restarts)
-    ):
+    restarts = resolve_restarts(settings["newton_schulz_restarts"], len(settings["coefficients"]))
+    impl = settings["newton_schulz_impl"]
+    if restarts is not None and not any(e.takes_restarts for e in engines_of(impl)):
         raise ValueError(
-            f"newton_schulz_restarts must be None or a sequence of steps >= 1, got {restarts!r}"
+            f"newton_schulz_restarts={restarts!r} applies to newton_schulz_impl='gram' "
+            f"(or 'auto'), not {impl!r}, which never restarts; drop it or choose 'gram'"
         )
     if settings["newton_schulz_guard"] not in (None, True, False):
         raise TypeError(

@@ -7,6 +7,7 @@ No timing is asserted: only what was run, in which order, with which arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import socket
@@ -16,7 +17,6 @@ import textwrap
 import pytest
 import torch
 
-import shardmuon.optimizer as optimizer_module
 from shardmuon import Muon
 from shardmuon.bench.common import name_seed, relative_difference
 from shardmuon.bench.launch import RankContext
@@ -28,6 +28,8 @@ from shardmuon.cli import main
 from shardmuon.harness.models import build_model, param_shapes
 from shardmuon.harness.parallel import apply_layout
 from shardmuon.harness.processes import free_port, threads_per_rank
+from shardmuon.ops.engines import ENGINES
+from shardmuon.ops.normalize import Normalized
 from shardmuon.routing import build_param_groups
 
 # A stand-in for dion's Muon: its constructor signature and its checks on meshes, nothing
@@ -163,7 +165,7 @@ class _Recorder:
         self.calls.append((tuple(X.shape), X.dtype, coefficients, eps))
         self.grad_enabled.append(torch.is_grad_enabled())
         self.keywords.append(keywords)
-        return X
+        return Normalized(X, torch.zeros(X.size(0), dtype=torch.bool))
 
 
 @pytest.mark.parametrize("impl", ["folded", "unfolded", "gram"])
@@ -188,7 +190,8 @@ def test_replay_makes_the_steps_newton_schulz_calls(impl, monkeypatch):
     calls = list(opt.last_step_stats.ns_calls)
     assert calls, "the step made no Newton-Schulz call"
     recorder = _Recorder()
-    monkeypatch.setitem(optimizer_module.NS_IMPLEMENTATIONS, impl, recorder)
+    engine = ENGINES[impl]
+    monkeypatch.setitem(ENGINES, impl, dataclasses.replace(engine, run=recorder))
     barriers = []
     ctx = RankContext(0, 1, torch.device("cpu"), 1, False)
     monkeypatch.setattr(RankContext, "barrier", lambda self: barriers.append(1))
@@ -202,7 +205,7 @@ def test_replay_makes_the_steps_newton_schulz_calls(impl, monkeypatch):
         assert eps == pytest.approx(1e-7)
     assert not any(recorder.grad_enabled)  # as in the step: no autograd
     # The optimizer's own engine: Gram gets its dtype and restarts as in the step.
-    expected = {"restarts": None} if impl == "gram" else {}
+    expected = {"dtype": torch.bfloat16, "restarts": None, "overwrite_input": impl == "folded"}
     assert recorder.keywords == [expected] * len(recorder.calls)
     # Every Muon element once; the partitioned stack as 4-row blocks, never as [8, 6].
     assert sum(b * r * c for b, r, c in calls) == 3 * 8 * 6 + 12 * 5 + 2 * 5 * 12

@@ -28,24 +28,19 @@ in bf16, 0.55-0.85x.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from shardmuon.ops.newton_schulz import (
-    _as_batch3d,
-    _as_wide,
-    _check_matrix,
-    newton_schulz,
-    normalized,
-    resolve_coefficients,
-)
+from shardmuon.ops.newton_schulz import Coefficients, iterate_folded, orthogonalize_with
 
 __all__ = [
     "default_restarts",
     "gram_flops",
     "gram_gemm_dtype",
+    "iterate_gram",
     "newton_schulz_gram",
     "standard_flops",
 ]
@@ -75,6 +70,47 @@ def gram_gemm_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
     return torch.float16 if device_type == "cuda" else torch.float32
 
 
+def iterate_gram(
+    X: Tensor,
+    coefficients: Coefficients,
+    *,
+    restarts: Sequence[int] | None = None,
+    gemm_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """The Gram iteration on a normalised wide ``X[B, m, n]`` (``m <= n``), ``X`` held in
+    its dtype; returns ``[B, m, n]`` in that dtype. Square matrices run the folded one.
+
+    ``restarts``: the steps (1-based) after which to restart; ``None``: the default
+    (:func:`default_restarts`), ``()``: none. ``gemm_dtype``: what the GEMMs run in
+    (``None``: :func:`gram_gemm_dtype`).
+    """
+    m, n = X.shape[-2:]
+    if m == n:
+        return iterate_folded(X, coefficients)
+    dtype = X.dtype
+    steps = len(coefficients)
+    restart_after = frozenset(default_restarts(steps) if restarts is None else restarts)
+    chain = gram_gemm_dtype(dtype, X.device.type) if gemm_dtype is None else gemm_dtype
+    # X_k is rounded to ``dtype`` (as the standard iteration holds it), its GEMMs run in
+    # ``chain``; the cast is a no-op when the two agree.
+    base = X.to(chain)
+    R = torch.bmm(base, base.mT)
+    Q: Tensor | None = None  # None: the identity
+    for k, (a, b, c) in enumerate(coefficients, start=1):
+        P = torch.baddbmm(R, R, R, beta=b, alpha=c)
+        P.diagonal(dim1=-2, dim2=-1).add_(a)
+        Q = P if Q is None else torch.bmm(P, Q)
+        if k == steps:
+            break
+        if k in restart_after:
+            base = torch.bmm(Q, base).to(dtype).to(chain)
+            R = torch.bmm(base, base.mT)
+            Q = None
+        else:
+            R = torch.bmm(P, torch.bmm(P, R))
+    return (base if Q is None else torch.bmm(Q, base)).to(dtype)
+
+
 def newton_schulz_gram(
     G: Tensor,
     coefficients: str | Sequence[Sequence[float]] | None = None,
@@ -86,47 +122,12 @@ def newton_schulz_gram(
 ) -> Tensor:
     """Orthogonalize each matrix of ``G[..., m, n]`` by the Gram iteration; ``dtype`` out.
 
-    ``restarts``: the steps (1-based) after which to restart; ``None``: the default
-    (:func:`default_restarts`), ``()``: none. ``gemm_dtype``: what the GEMMs run in
-    (``None``: :func:`gram_gemm_dtype`); ``X`` is held in ``dtype``. Square matrices run
-    the standard iteration in ``dtype``. Tall matrices are transposed so that the Gram side
-    is the short one.
+    The shared normalisation (:func:`shardmuon.ops.newton_schulz.orthogonalize_with`),
+    then :func:`iterate_gram` with ``restarts`` and ``gemm_dtype``. Tall matrices are
+    transposed so that the Gram side is the short one.
     """
-    _check_matrix(G)
-    coeffs = resolve_coefficients(coefficients)
-    if restarts is None:
-        restarts = default_restarts(len(coeffs))
-    restarts = frozenset(int(k) for k in restarts)
-    if G.numel() == 0:
-        return G.to(dtype)
-    X, transposed = _as_wide(G)
-    X, shape = _as_batch3d(X)
-    m, n = X.shape[-2:]
-    if m == n:
-        out = newton_schulz(G, coeffs, eps, dtype=dtype)
-        return out
-    chain = gram_gemm_dtype(dtype, X.device.type) if gemm_dtype is None else gemm_dtype
-    # X_k is rounded to ``dtype`` (as the standard iteration holds it), its GEMMs run in
-    # ``chain``; the cast is a no-op when the two agree.
-    base = normalized(X, eps, dtype).to(chain)
-    R = torch.bmm(base, base.mT)
-    Q: Tensor | None = None  # None: the identity
-    steps = len(coeffs)
-    for k, (a, b, c) in enumerate(coeffs, start=1):
-        P = torch.baddbmm(R, R, R, beta=b, alpha=c)
-        P.diagonal(dim1=-2, dim2=-1).add_(a)
-        Q = P if Q is None else torch.bmm(P, Q)
-        if k == steps:
-            break
-        if k in restarts:
-            base = torch.bmm(Q, base).to(dtype).to(chain)
-            R = torch.bmm(base, base.mT)
-            Q = None
-        else:
-            R = torch.bmm(P, torch.bmm(P, R))
-    X = (base if Q is None else torch.bmm(Q, base)).to(dtype)
-    X = X.reshape(shape)
-    return X.mT if transposed else X
+    iterate = functools.partial(iterate_gram, restarts=restarts, gemm_dtype=gemm_dtype)
+    return orthogonalize_with(iterate, G, coefficients, eps, dtype=dtype).X
 
 
 def standard_flops(m: int, n: int, steps: int) -> int:

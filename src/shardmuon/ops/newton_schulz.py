@@ -19,22 +19,28 @@ and for tests; ``newton_schulz_reference`` is the float64 reference.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from shardmuon.ops.normalize import Normalized, normalize
 
 __all__ = [
     "NS_PRESETS",
     "POLAR_EXPRESS_PAPER",
     "POLAR_EXPRESS_SAFETY",
     "Coefficients",
+    "compiled_iterate_folded",
+    "iterate_folded",
+    "iterate_unfolded",
     "newton_schulz",
     "newton_schulz_compiled",
     "newton_schulz_per_matrix",
     "newton_schulz_reference",
     "newton_schulz_unfolded",
-    "normalized",
+    "orthogonalize_per_matrix",
+    "orthogonalize_with",
     "resolve_coefficients",
     "with_input_scaled",
 ]
@@ -157,72 +163,74 @@ def _check_matrix(G: Tensor) -> None:
         )
 
 
-# Elements of one float32 temporary in the normalisation (16 MiB): the fp32 copy of a
-# large matrix is never made whole, only this much of it at a time.
-NORMALIZE_CHUNK_ELEMENTS = 4 * 2**20
+def orthogonalize_with(
+    iterate: Callable[[Tensor, Coefficients], Tensor],
+    G: Tensor,
+    coefficients: str | Sequence[Sequence[float]] | None = None,
+    eps: float = 1e-8,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    overwrite_input: bool = False,
+) -> Normalized:
+    """The frame every engine shares: ``G[..., m, n]`` turned wide (``m <= n``) and 3-D,
+    normalised once (:func:`shardmuon.ops.normalize.normalize`: fp32 norm, overflow-safe,
+    non-finite matrices zeroed), ``iterate(X[B, m, n], coefficients)`` run on it in
+    ``dtype``, and the result put back in ``G``'s shape.
 
-
-def frobenius_norm_fp32(X: Tensor) -> Tensor:
-    """``||X||_F`` of each matrix of ``X[B, m, n]``, in fp32, shape ``[B, 1, 1]``, without
-    overflow.
-
-    The sum of squares of a gradient scaled by 1e18 overflows fp32 (and the update would
-    silently be zero). Each matrix is scaled by the power of two that brings its largest
-    entry into ``[0.5, 1)`` before the reduction and unscaled after: scaling by a power of
-    two is exact, so wherever the plain fp32 reduction does not overflow (or underflow)
-    the result is the same bits. Takes one fp32 copy of ``X``, as the reduction did.
+    Returns the result (``dtype``, ``[..., m, n]``) and the ``[B]`` mask of matrices that
+    held a non-finite entry (their result is zero). With ``overwrite_input=True`` a
+    contiguous wide ``G`` already in ``dtype`` is normalised in place (its contents are
+    lost) and becomes the iteration's first buffer.
     """
-    largest = torch.linalg.vector_norm(
-        X, ord=math.inf, dim=(-2, -1), keepdim=True, dtype=torch.float32
-    )
-    _, exponent = torch.frexp(largest)
-    # 0 (an all-zero matrix) gives exponent 0; the clamp keeps 2^-exponent a normal fp32.
-    exponent.clamp_(-120, 120)
-    scale = torch.ldexp(torch.ones_like(largest), -exponent)
-    scaled = X.to(torch.float32, copy=True).mul_(scale)
-    norm = torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
-    del scaled
-    return norm.div_(scale)
+    _check_matrix(G)
+    coeffs = resolve_coefficients(coefficients)
+    if G.numel() == 0:
+        count = math.prod(G.shape[:-2])
+        return Normalized(G.to(dtype), torch.zeros(count, dtype=torch.bool, device=G.device))
+    X, transposed = _as_wide(G)
+    X, shape = _as_batch3d(X)
+    in_place = overwrite_input and X.dtype == dtype and X.is_contiguous() and not transposed
+    X, nonfinite = normalize(X, eps, dtype, out=X if in_place else None)
+    X = iterate(X, coeffs).reshape(shape)
+    return Normalized(X.mT if transposed else X, nonfinite)
 
 
-def normalized(
-    X: Tensor, eps: float, dtype: torch.dtype = torch.bfloat16, out: Tensor | None = None
-) -> Tensor:
-    """``X / (||X||_F + eps)`` per matrix of ``X[B, m, n]``, computed in fp32, in ``dtype``.
+def iterate_folded(X: Tensor, coefficients: Coefficients) -> Tensor:
+    """The folded quintic on a normalised wide ``X[B, m, n]`` (``m <= n``), in ``X``'s dtype.
 
-    The norm is reduced in fp32 (bitwise what ``vector_norm(X.float())`` gives); the
-    division is element-wise, so doing it in slices of at most
-    ``NORMALIZE_CHUNK_ELEMENTS`` elements gives the same bits as doing it whole, while the
-    fp32 temporary stays small. Writes into ``out`` (which may be ``X`` itself: each slice
-    is read before it is written) or a new contiguous bf16 ``[B, m, n]`` tensor.
+    For each ``(a, b, c)``: ``A = X X^T``; ``B = b A + c A A``; ``X = a X + B X``, the last
+    two each one ``baddbmm`` with one rounding. ``X`` is used as one of the two buffers (its
+    contents are lost); returns ``[B, m, n]``.
     """
-    if X.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        X = X.float()  # wider inputs are rounded to fp32 first
-    denom = frobenius_norm_fp32(X)
-    denom.add_(eps)
-    # A matrix with an inf or NaN entry gets a zero direction (its update is skipped, not
-    # spread as NaN over the whole matrix; the pipeline counts these).
-    nonfinite = ~torch.isfinite(denom)
-    if out is None:
-        out = torch.empty(X.shape, dtype=dtype, device=X.device)
-    batch, rows, cols = X.shape
-
-    def divide_into(target: Tensor, source: Tensor, divisor: Tensor) -> None:
-        # One fp32 copy, divided in place (a mixed-dtype div would add a second one).
-        target.copy_(source.to(torch.float32, copy=True).div_(divisor))
-
-    if X.numel() <= NORMALIZE_CHUNK_ELEMENTS:
-        divide_into(out, X, denom)
-    elif rows * cols <= NORMALIZE_CHUNK_ELEMENTS:
-        step = NORMALIZE_CHUNK_ELEMENTS // (rows * cols)
-        for b in range(0, batch, step):
-            divide_into(out[b : b + step], X[b : b + step], denom[b : b + step])
+    # One matrix goes through the 2-D kernels: on an AVX2 CPU, bf16 bmm with a batch of 1
+    # can be several times slower than mm. Neither gives the bits of a larger batch for
+    # every matrix (the per-matrix engine has batch-independent bits).
+    single = X.size(0) == 1
+    if single:
+        X, matmul, matmul_add = X[0], torch.mm, torch.addmm
     else:
-        step = max(1, NORMALIZE_CHUNK_ELEMENTS // cols)
-        for b in range(batch):
-            for r in range(0, rows, step):
-                divide_into(out[b, r : r + step], X[b, r : r + step], denom[b])
-    return out.masked_fill_(nonfinite, 0.0)
+        matmul, matmul_add = torch.bmm, torch.baddbmm
+    gram_shape = (*X.shape[:-1], X.size(-2))
+    A = X.new_empty(gram_shape)
+    B = X.new_empty(gram_shape)
+    spare = torch.empty_like(X)
+    for a, b, c in coefficients:
+        matmul(X, X.mT, out=A)
+        matmul_add(A, A, A, beta=b, alpha=c, out=B)
+        matmul_add(X, B, X, beta=a, alpha=1.0, out=spare)
+        X, spare = spare, X
+    del A, B, spare
+    return X.unsqueeze(0) if single else X
+
+
+def iterate_unfolded(X: Tensor, coefficients: Coefficients) -> Tensor:
+    """The textbook quintic (dion's recipe) on a normalised wide ``X[B, m, n]``: ``A @ A``
+    and ``B @ X`` rounded to ``X``'s dtype before the scale-and-adds."""
+    for a, b, c in coefficients:
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X
 
 
 def newton_schulz(
@@ -236,56 +244,54 @@ def newton_schulz(
     """Orthogonalize each matrix of ``G[..., m, n]`` in bfloat16 (or ``dtype``: fp16,
     fp32); returns ``[..., m, n]`` in that dtype.
 
-    ``X = G / (||G||_F + eps)`` (norm in float32, per matrix), then for each ``(a, b, c)``:
-    ``A = X X^T``; ``B = b A + c A A``; ``X = a X + B X``, the last two each a single
-    ``baddbmm`` with one bf16 rounding. Any float dtype is accepted as input; matrices of
-    one call are processed as one batch, so stack same-shape matrices before calling.
-    Results do not depend on which other matrices share the batch (each GEMM of a batch
-    is an independent matrix product).
+    ``X = G / (||G||_F + eps)`` (norm in float32, per matrix, overflow-safe; a matrix with
+    a non-finite entry gives zeros), then :func:`iterate_folded`. Any float dtype is
+    accepted as input; matrices of one call are processed as one batch, so stack
+    same-shape matrices before calling.
 
-    Memory, for a bf16 input of ``S`` bytes with ``m <= n``: the norm's reduction takes an
-    fp32 copy (2 ``S``, freed at once); the division writes the bf16 ``X`` (``S``) through
-    fp32 slices of at most 16 MiB; then the iteration holds two ``X`` buffers and ``A``,
-    ``B`` (``2 S + 4 B m^2`` bytes for ``B`` matrices), reused across iterations. No fp32
-    copy of ``X`` lives through the iteration (``workspace.newton_schulz_bytes``). With
-    ``overwrite_input=True`` a contiguous bf16 ``G`` is normalised in place and becomes one
-    of the iteration's buffers (its contents are lost): one bf16 copy less, same bits.
+    Memory, for a bf16 input of ``S`` bytes with ``m <= n``: the norm is one reduction
+    (no copy); the division writes the bf16 ``X`` (``S``) through fp32 slices of at most
+    16 MiB; then the iteration holds two ``X`` buffers and ``A``, ``B`` (``2 S + 4 B m^2``
+    bytes for ``B`` matrices), reused across iterations. No fp32 copy of ``X`` lives
+    through the iteration (``planning.workspace``). With ``overwrite_input=True`` a
+    contiguous bf16 ``G`` is normalised in place and becomes one of the iteration's
+    buffers (its contents are lost): one bf16 copy less, same bits.
     """
+    return orthogonalize_with(
+        iterate_folded, G, coefficients, eps, dtype=dtype, overwrite_input=overwrite_input
+    ).X
+
+
+def orthogonalize_per_matrix(
+    G: Tensor,
+    coefficients: str | Sequence[Sequence[float]] | None = None,
+    eps: float = 1e-8,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Normalized:
+    """:func:`orthogonalize_with` the folded iteration, one matrix of ``G[..., m, n]`` at a
+    time (normalisation included): the result and the ``[B]`` non-finite mask."""
     _check_matrix(G)
-    coeffs = resolve_coefficients(coefficients)
-    if G.numel() == 0:
-        return G.to(dtype)
-    X, transposed = _as_wide(G)
-    X, shape = _as_batch3d(X)
-    in_place = overwrite_input and X.dtype == dtype and X.is_contiguous() and not transposed
-    X = normalized(X, eps, dtype, out=X if in_place else None)
-    # One matrix goes through the 2-D kernels: on an AVX2 CPU, bf16 bmm with a batch of 1
-    # can be several times slower than mm. Neither gives the bits of a larger batch for
-    # every matrix (newton_schulz_per_matrix has batch-independent bits).
-    if X.size(0) == 1:
-        X, matmul, matmul_add = X[0], torch.mm, torch.addmm
-    else:
-        matmul, matmul_add = torch.bmm, torch.baddbmm
-    gram_shape = (*X.shape[:-1], X.size(-2))
-    A = X.new_empty(gram_shape)
-    B = X.new_empty(gram_shape)
-    spare = torch.empty_like(X)
-    for a, b, c in coeffs:
-        matmul(X, X.mT, out=A)
-        matmul_add(A, A, A, beta=b, alpha=c, out=B)
-        matmul_add(X, B, X, beta=a, alpha=1.0, out=spare)
-        X, spare = spare, X
-    del A, B, spare
-    X = X.reshape(shape)
-    return X.mT if transposed else X
+    stack, shape = _as_batch3d(G)
+    if stack.size(0) <= 1:
+        return orthogonalize_with(iterate_folded, G, coefficients, eps, dtype=dtype)
+    out = torch.empty(stack.shape, dtype=dtype, device=G.device)
+    flags = []
+    for i in range(stack.size(0)):
+        one = orthogonalize_with(iterate_folded, stack[i : i + 1], coefficients, eps, dtype=dtype)
+        out[i] = one.X[0]
+        flags.append(one.nonfinite)
+    return Normalized(out.reshape(shape), torch.cat(flags))
 
 
 def newton_schulz_per_matrix(
     G: Tensor,
     coefficients: str | Sequence[Sequence[float]] | None = None,
     eps: float = 1e-8,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
-    """:func:`newton_schulz` of each matrix of ``G[..., m, n]`` on its own; bf16 out.
+    """:func:`newton_schulz` of each matrix of ``G[..., m, n]`` on its own; ``dtype`` out.
 
     A batched GEMM may pick another kernel for another batch size (on the AVX-512 CPU of
     ``docs/benchmarks.md``, about 1 in 200 small random matrices rounds differently alone
@@ -294,34 +300,32 @@ def newton_schulz_per_matrix(
     alone: the same bits on any layout, world size and workspace budget, for the cost of
     the batching (the GEMMs of small matrices are launched one by one).
     """
-    _check_matrix(G)
-    stack, shape = _as_batch3d(G)
-    if stack.size(0) <= 1:
-        return newton_schulz(G, coefficients, eps)
-    out = torch.empty(stack.shape, dtype=torch.bfloat16, device=G.device)
-    for i in range(stack.size(0)):
-        out[i] = newton_schulz(stack[i : i + 1], coefficients, eps)[0]
-    return out.reshape(shape)
+    return orthogonalize_per_matrix(G, coefficients, eps, dtype=dtype).X
 
 
-_compiled_newton_schulz = None
+_compiled_iterate = None
+
+
+def compiled_iterate_folded(X: Tensor, coefficients: Coefficients) -> Tensor:
+    """:func:`iterate_folded` through ``torch.compile`` (compiled on first use, per shape
+    and dtype). Inductor may fuse and reorder, so results are close to, not bitwise equal
+    to, the eager iteration; the first call of each shape pays the compilation (seconds)."""
+    global _compiled_iterate
+    if _compiled_iterate is None:
+        _compiled_iterate = torch.compile(iterate_folded, dynamic=False)
+    return _compiled_iterate(X, coefficients)
 
 
 def newton_schulz_compiled(
     G: Tensor,
     coefficients: str | Sequence[Sequence[float]] | None = None,
     eps: float = 1e-8,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
-    """:func:`newton_schulz` through ``torch.compile`` (compiled on first use, per shape).
-
-    A compiled Newton-Schulz as fast Muon implementations ship: the same iteration, but inductor
-    may fuse and reorder, so results are close to, not bitwise equal to, the eager
-    :func:`newton_schulz`; the first call of each shape pays the compilation (seconds).
-    """
-    global _compiled_newton_schulz
-    if _compiled_newton_schulz is None:
-        _compiled_newton_schulz = torch.compile(newton_schulz, dynamic=False)
-    return _compiled_newton_schulz(G, resolve_coefficients(coefficients), eps)
+    """:func:`newton_schulz` with its iteration through ``torch.compile`` (the shared
+    normalisation stays eager); ``dtype`` out."""
+    return orthogonalize_with(compiled_iterate_folded, G, coefficients, eps, dtype=dtype).X
 
 
 def newton_schulz_unfolded(

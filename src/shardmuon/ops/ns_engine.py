@@ -1,55 +1,49 @@
-"""The Newton–Schulz engine a step runs: the implementation by name, the iteration dtype,
-Gram's restarts and the divergence guard, put together once per optimizer setting.
+"""The Newton–Schulz engine a step runs: an entry of :data:`shardmuon.ops.engines.ENGINES`
+(or ``"auto"``'s rule), the iteration dtype, Gram's restarts and the divergence guard, put
+together once per optimizer setting — and its cost model (:class:`EngineCost`), which the
+workspace estimate and the owner balancing read.
 
-Every implementation returns bf16 (the exchange sends bf16 results): an fp16 or fp32
-iteration is rounded to bf16 at the end, as the bf16 one is at every step.
+Every engine returns bf16 (the exchange sends bf16 results): an fp16 or fp32 iteration is
+rounded to bf16 at the end, as the bf16 one is at every step.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from shardmuon.ops.gram_newton_schulz import newton_schulz_gram
-from shardmuon.ops.newton_schulz import (
-    newton_schulz,
-    newton_schulz_compiled,
-    newton_schulz_per_matrix,
-    newton_schulz_unfolded,
+from shardmuon.ops.engines import (
+    ENGINES,
+    NS_CHOICES,
+    NS_DTYPES,
+    chain_itemsize,
+    effective_restarts,
+    engines_of,
+    resolve_ns_dtype,
 )
+from shardmuon.ops.newton_schulz import Coefficients, resolve_coefficients
+from shardmuon.ops.normalize import NORMALIZE_CHUNK_ELEMENTS
 from shardmuon.ops.ns_guard import GuardVerdict, guarded
 
 __all__ = [
     "AUTO_GRAM_MIN_ASPECT",
     "NS_CHOICES",
     "NS_DTYPES",
-    "NS_IMPLEMENTATIONS",
+    "EngineCost",
     "Orthogonalizer",
     "auto_choice",
+    "guard_enabled",
     "resolve_ns_dtype",
 ]
 
-# The implementations ``Muon(newton_schulz_impl=...)`` chooses from, by name.
-NS_IMPLEMENTATIONS: dict[str, Callable[..., Tensor]] = {
-    "folded": newton_schulz,
-    "unfolded": newton_schulz_unfolded,
-    "compiled": newton_schulz_compiled,
-    "per-matrix": newton_schulz_per_matrix,
-    "gram": newton_schulz_gram,
-}
-# Every ``newton_schulz_impl`` accepted: the implementations and the rule that picks one.
-NS_CHOICES = (*NS_IMPLEMENTATIONS, "auto")
-# The iteration dtypes, by name; bf16 is the default (dion's).
-NS_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# Implementations that take an iteration dtype (the others are bf16 recipes).
-_WITH_DTYPE = ("folded", "gram")
 # ``"auto"``'s rule: Gram where it saves enough FLOPs to pay for its guard and the device
 # runs it at GEMM speed (CUDA), the folded iteration elsewhere. A function of the shape and
 # the device type only, so every rank of a group decides alike (the digest carries "auto").
 AUTO_GRAM_MIN_ASPECT = 2.5
+BF16, FP32 = 2, 4
 
 
 def auto_choice(shape: Sequence[int], device_type: str) -> str:
@@ -60,64 +54,118 @@ def auto_choice(shape: Sequence[int], device_type: str) -> str:
     return "folded"
 
 
-def resolve_ns_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """A dtype or its name (``"bfloat16"``, ``"float16"``, ``"float32"``); ValueError else."""
-    if isinstance(dtype, str) and dtype in NS_DTYPES:
-        return NS_DTYPES[dtype]
-    if isinstance(dtype, torch.dtype) and dtype in NS_DTYPES.values():
-        return dtype
-    raise ValueError(
-        f"unknown newton_schulz_dtype {dtype!r}; accepted: torch.bfloat16, torch.float16, "
-        "torch.float32 (or their names)"
-    )
+def guard_enabled(engine: str, guard: bool | None) -> bool:
+    """Whether the divergence guard checks ``engine``'s calls: ``newton_schulz_guard`` when
+    given, else the engine's default (on for Gram). The one place this is decided."""
+    return ENGINES[engine].guard_default if guard is None else bool(guard)
+
+
+@dataclass(frozen=True)
+class EngineCost:
+    """What one optimizer's Newton–Schulz calls cost, from its settings: bytes per call and
+    FLOPs per matrix (the default: dion's folded bf16 iteration, unguarded)."""
+
+    impl: str = "folded"
+    dtype: torch.dtype = torch.bfloat16
+    restarts: tuple[int, ...] | None = None
+    guard: bool | None = None
+    coefficients: Coefficients = field(default_factory=lambda: resolve_coefficients(None))
+    device_type: str = "cpu"
+
+    def _candidates(self, rows: int, cols: int) -> list[str]:
+        if self.impl != "auto":
+            return [self.impl]
+        # "auto" picks by shape and device alone: the cost is that of what it will pick.
+        return [auto_choice((rows, cols), self.device_type)]
+
+    def call_bytes(self, count: int, rows: int, cols: int) -> int:
+        """Peak bytes one call on a bf16 ``[count, rows, cols]`` input allocates (the input
+        excluded, its bf16 result included)."""
+        if count * rows * cols == 0:
+            return 0
+        return max(
+            self._engine_bytes(name, count, rows, cols) for name in self._candidates(rows, cols)
+        )
+
+    def _engine_bytes(self, name: str, count: int, rows: int, cols: int) -> int:
+        engine = ENGINES[name]
+        m, n = sorted((rows, cols))
+        total, small = count * m * n, count * m * m
+        size = self.dtype.itemsize
+        chain = chain_itemsize(engine, self.dtype, self.device_type)
+        # The normalisation: the normalised X, one fp32 slice and the norms; the rare path
+        # re-reduces one matrix at a time (its input copy and fp32 copy).
+        division = size * total + FP32 * min(total, NORMALIZE_CHUNK_ELEMENTS) + 2 * FP32 * count
+        rare = (BF16 + FP32) * m * n + 2 * FP32 * count
+        iteration = engine.iteration_bytes(count, m, n, size, chain)
+        cast = (size * total + BF16 * total) if size != BF16 else 0
+        peak = max(division, rare, iteration, cast)
+        if guard_enabled(name, self.guard):
+            # A = O O^T in bf16 and fp32, its scaled and cleaned copies, the eigensolver's
+            # input; a recompute: one matrix's fp32 input and standard iteration.
+            check = BF16 * total + (BF16 + 3 * FP32) * small + FP32 * small
+            fp32_one = FP32 * m * n
+            recompute = (
+                BF16 * total + 3 * fp32_one + ENGINES["folded"].iteration_bytes(1, m, n, FP32, FP32)
+            )
+            peak = max(peak, check, recompute)
+        return peak
+
+    def matrix_flops(self, rows: int, cols: int) -> int:
+        """FLOPs of one ``[rows, cols]`` matrix's iteration (the engine's own count)."""
+        (name,) = self._candidates(rows, cols)
+        restarts = effective_restarts(self.restarts, len(self.coefficients))
+        m, n = sorted((rows, cols))
+        return ENGINES[name].flops(m, n, self.coefficients, restarts)
+
+
+DEFAULT_COST = EngineCost()
 
 
 class Orthogonalizer:
-    """``(X[B, m, n], coefficients, eps) -> bf16`` for one optimizer's settings, and the
-    guard's verdicts of the calls it made (``last_verdicts``, read and cleared by a step)."""
+    """``(X[B, m, n], coefficients, eps) -> bf16`` for one optimizer's settings.
+
+    After each call, :meth:`take_report` hands the caller what the call saw: the ``[B]``
+    device mask of matrices with a non-finite entry (their result is zero) and the guard's
+    verdict (``None`` when unguarded).
+    """
 
     def __init__(
         self,
         impl: str,
         dtype: torch.dtype = torch.bfloat16,
         restarts: Sequence[int] | None = None,
-        guard: bool = False,
+        guard: bool | None = None,
     ) -> None:
-        self.impl, self.dtype, self.guard = impl, dtype, guard
-        if impl == "auto":
-            self._choices = {
-                name: Orthogonalizer(name, dtype, restarts, guard=guard or name == "gram")
-                for name in ("gram", "folded")
-            }
-            self.verdicts = []
-            return
-        fn = NS_IMPLEMENTATIONS[impl]
-        kwargs: dict = {}
-        if impl in _WITH_DTYPE and dtype != torch.bfloat16:
-            kwargs["dtype"] = dtype
-        if impl == "gram":
-            kwargs["restarts"] = restarts
-        self._fn = functools.partial(fn, **kwargs) if kwargs else fn
-        # Only the real folded iteration (a benchmark may have put another in the table).
-        self.in_place = fn is newton_schulz and dtype == torch.bfloat16 and not guard
-        self.verdicts: list[GuardVerdict] = []
+        self.impl, self.dtype, self.restarts = impl, dtype, restarts
+        self.guards = {e.name: guard_enabled(e.name, guard) for e in engines_of(impl)}
+        self._nonfinite: list[Tensor] = []
+        self._verdicts: list[GuardVerdict] = []
+
+    def take_report(self) -> tuple[list[Tensor], list[GuardVerdict]]:
+        """The non-finite masks and guard verdicts of the calls since the last take (cleared)."""
+        report = (self._nonfinite, self._verdicts)
+        self._nonfinite, self._verdicts = [], []
+        return report
 
     def __call__(self, X: Tensor, coefficients, eps: float) -> Tensor:
-        if self.impl == "auto":
-            chosen = self._choices[auto_choice(X.shape, X.device.type)]
-            out = chosen(X, coefficients, eps)
-            self.verdicts.extend(chosen.verdicts)
-            chosen.verdicts.clear()
-            return out
+        name = auto_choice(X.shape, X.device.type) if self.impl == "auto" else self.impl
+        engine = ENGINES[name]
+        coeffs = resolve_coefficients(coefficients)
+        guard = self.guards[name]
+        # The pipeline owns every buffer it orthogonalizes: an engine that can normalise in
+        # place does (the guard needs the input intact for a recompute).
+        in_place = engine.in_place and self.dtype == torch.bfloat16 and not guard
 
         def run(G: Tensor) -> Tensor:
-            if self.in_place:
-                # The pipeline owns every buffer it orthogonalizes: normalise in place.
-                return newton_schulz(G, coefficients, eps, overwrite_input=True)
-            return self._fn(G, coefficients, eps).to(torch.bfloat16)
+            result = engine.run(
+                G, coeffs, eps, dtype=self.dtype, restarts=self.restarts, overwrite_input=in_place
+            )
+            self._nonfinite.append(result.nonfinite)
+            return result.X.to(torch.bfloat16)
 
-        if not self.guard:
+        if not guard:
             return run(X)
-        out, verdict = guarded(X, run, coefficients, eps)
-        self.verdicts.append(verdict)
+        out, verdict = guarded(X, run, coeffs, eps)
+        self._verdicts.append(verdict)
         return out

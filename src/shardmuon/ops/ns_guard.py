@@ -1,16 +1,26 @@
-"""The divergence guard of Newton–Schulz: a cheap check of each result, a safe recompute.
+"""The divergence guard of Newton–Schulz: an exact check of each result, a safe recompute.
 
-In exact arithmetic the iteration maps each singular value ``s`` of the normalised input
-(``s`` in ``[0, 1]``) through the composed scalar polynomial of its coefficients, so every
-singular value of the result lies below that polynomial's maximum on ``[0, 1]``
-(:func:`band_high`: 1.145 for dion's schedule). A result whose largest singular value
-exceeds the band by more than rounding can explain — or that is not finite — diverged (the
-Gram iteration without restarts does, on ill-conditioned and low-rank inputs: 1.5x to 1000x
-the band). The largest singular value is estimated by a few power steps on ``O O^T`` from a
-fixed start vector, on the small Gram matrix ``O O^T`` (one GEMM, about a tenth of the
-iteration's FLOPs): the same verdict for the same matrix on every rank, a lower bound that
-only sharpens with steps.
-Flagged matrices are recomputed by the standard iteration in fp32.
+What it certifies, for every matrix it checks: the result is finite, and its largest
+singular value is at most ``GUARD_SLACK`` (1.15) times the band (:func:`band_high`: the
+largest value the composed scalar polynomial of the coefficients takes on ``[0, 1]``, 1.145
+for dion's schedule). In exact arithmetic every singular value of the result lies below the
+band; a result above 1.15x the band diverged (the Gram iteration without restarts does, on
+ill-conditioned and low-rank inputs: 1.3x to 1000x the band). A failed matrix is recomputed
+by the standard iteration in fp32.
+
+The test is sound (no diverged-above-the-band result passes), not an estimate: with
+``A = O O^T`` (one GEMM on the short side, a tenth of an iteration's FLOPs) in fp32,
+``sigma_max(O)^2 = lambda_max(A)``, and
+
+* ``||A||_F`` is an upper bound of ``lambda_max(A)``: a matrix it clears passes (a low-rank
+  result usually does, at no further cost);
+* a power estimate is a lower bound: a matrix it already puts above the limit fails;
+* every other matrix gets ``lambda_max`` from a symmetric eigensolver (``eigvalsh``, about a
+  tenth to a half of an iteration on a CPU) — exact up to fp32 rounding of ``A``.
+
+What it does not certify: that a result inside the band is accurate. A Gram iteration that
+drifted can land inside the band with a large error (fp16 GEMMs without restarts); the
+engines refuse the settings for which that was measured (``ops.engines``).
 """
 
 from __future__ import annotations
@@ -22,7 +32,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from shardmuon.ops.newton_schulz import Coefficients, newton_schulz, resolve_coefficients
+from shardmuon.ops.newton_schulz import (
+    Coefficients,
+    iterate_folded,
+    orthogonalize_with,
+    resolve_coefficients,
+)
 
 __all__ = ["GUARD_SLACK", "GuardVerdict", "band_high", "guarded", "largest_singular_value"]
 
@@ -30,7 +45,7 @@ __all__ = ["GUARD_SLACK", "GuardVerdict", "band_high", "guarded", "largest_singu
 # the standard iteration at 1.00x the band and the Gram iteration with restarts at up to
 # 1.06x (docs/benchmarks.md); diverged results start at 1.3x.
 GUARD_SLACK = 1.15
-POWER_STEPS = 8
+POWER_STEPS = 4
 
 
 @functools.lru_cache(maxsize=64)
@@ -43,33 +58,60 @@ def band_high(coefficients: Coefficients) -> float:
     return float(s.abs().max())
 
 
-def largest_singular_value(result: Tensor, steps: int = POWER_STEPS) -> Tensor:
-    """An estimate (from below) of each matrix's largest singular value, ``result[B, m, n]``;
-    fp32 ``[B]``. One GEMM for the short side's Gram matrix ``A = O O^T`` (in the result's
-    dtype, a tenth of an iteration's FLOPs), then power steps on the small ``A`` in fp32 from
-    a fixed vector."""
+def _gram_fp32(result: Tensor) -> Tensor:
     X = result if result.size(-2) <= result.size(-1) else result.mT
-    A = torch.bmm(X, X.mT).float()
+    return torch.bmm(X, X.mT).float()
+
+
+def _power_lower_bound(A: Tensor, steps: int) -> Tensor:
+    """A lower bound of ``lambda_max`` of each PSD ``A[B, m, m]`` (fp32 ``[B]``): Rayleigh
+    quotients of a few power steps from a fixed start (the same on every rank)."""
     m = A.size(-1)
-    # A fixed start with no special direction: the same verdict on every rank.
     v = torch.cos(torch.arange(m, dtype=torch.float32, device=A.device) * 0.7 + 0.3)
     v = v.expand(A.size(0), m).unsqueeze(-1).contiguous()
-    estimate = torch.zeros(A.size(0), device=A.device)
     for _ in range(steps):
         v = v / v.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
         v = torch.bmm(A, v)
-        estimate = v.norm(dim=(-2, -1))  # -> the largest eigenvalue of A: sigma_max^2
-    return estimate.clamp_min(0).sqrt().nan_to_num(nan=float("inf"))
+    u = v / v.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
+    return (u.mT @ torch.bmm(A, u)).flatten().nan_to_num(nan=float("inf"))
+
+
+def largest_singular_value(result: Tensor) -> Tensor:
+    """Each matrix's largest singular value, ``result[B, m, n]`` -> fp32 ``[B]`` (exact up
+    to fp32 rounding of ``O O^T``; ``inf`` for a non-finite matrix)."""
+    A = _gram_fp32(result)
+    lam = torch.linalg.eigvalsh(A.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0))[..., -1]
+    finite = torch.isfinite(A).flatten(1).all(dim=1)
+    return torch.where(finite, lam.clamp_min(0).sqrt(), torch.full_like(lam, float("inf")))
 
 
 @dataclass
 class GuardVerdict:
     """What the guard saw in one call: matrices checked, recomputed, and the largest ratio of
-    an estimated top singular value to the band (1.0: at the band's top)."""
+    a top singular value to the band (1.0: at the band's top) among those it measured
+    exactly or bounded below (a matrix cleared by the Frobenius bound counts as its bound)."""
 
     checked: int = 0
     fallbacks: int = 0
     worst_ratio: float = 0.0
+
+
+def _ratios(out: Tensor, band: float, slack: float) -> Tensor:
+    """``sigma_max / band`` of each matrix of ``out[B, m, n]`` where it matters, fp32 ``[B]``:
+    exact where neither bound decides, an upper bound below ``slack``, a lower bound above
+    it, ``inf`` for a non-finite matrix."""
+    A = _gram_fp32(out).div_(band * band)
+    finite = torch.isfinite(A).flatten(1).all(dim=1)
+    A = A.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    limit = slack * slack
+    upper = torch.linalg.matrix_norm(A)  # Frobenius >= lambda_max
+    lower = _power_lower_bound(A, POWER_STEPS)
+    lam = torch.where(upper <= limit, upper, lower)
+    undecided = (upper > limit) & (lower <= limit)
+    if bool(undecided.any()):
+        lam[undecided] = torch.linalg.eigvalsh(A[undecided])[..., -1]
+    ratio = lam.clamp_min(0).sqrt()
+    return torch.where(finite, ratio, torch.full_like(ratio, float("inf")))
 
 
 def guarded(
@@ -79,22 +121,26 @@ def guarded(
     eps: float,
     slack: float = GUARD_SLACK,
 ) -> tuple[Tensor, GuardVerdict]:
-    """``orthogonalize(G)`` with every result checked; diverged matrices recomputed by the
-    standard iteration in fp32 (cast to the result's dtype). ``G[B, m, n]``."""
-    coeffs = resolve_coefficients(coefficients)
+    """``orthogonalize(G)`` with every result checked; diverged matrices recomputed, one at
+    a time, by the standard iteration in fp32 (cast to the result's dtype).
+
+    ``G[B, m, n]`` is left intact by ``orthogonalize``. Returns the result (written in
+    place on a recompute) and the verdict.
+    """
+    coefficients = resolve_coefficients(coefficients)
     out = orthogonalize(G)
     if out.numel() == 0:
         return out, GuardVerdict()
     flat = out.reshape(-1, *out.shape[-2:])
-    sigma = largest_singular_value(flat)
-    finite = torch.isfinite(flat).flatten(1).all(dim=1)
-    ratio = torch.where(finite, sigma / band_high(coeffs), torch.full_like(sigma, float("inf")))
+    ratio = _ratios(flat, band_high(coefficients), slack)
     bad = ~(ratio <= slack)
     verdict = GuardVerdict(flat.size(0), int(bad.sum()), float(ratio.max()))
     if verdict.fallbacks:
-        inputs = G.reshape(-1, *G.shape[-2:])[bad]
-        safe = newton_schulz(inputs.float(), coeffs, eps, dtype=torch.float32)
-        flat = flat.clone()
-        flat[bad] = safe.to(flat.dtype)
-        out = flat.reshape(out.shape)
+        inputs = G.reshape(-1, *G.shape[-2:])
+        for i in bad.nonzero().flatten().tolist():
+            safe = orthogonalize_with(
+                iterate_folded, inputs[i : i + 1].float(), coefficients, eps, dtype=torch.float32
+            )
+            flat[i] = safe.X[0].to(flat.dtype)
+        out = flat.reshape(out.shape)  # a view of ``out`` unless reshape had to copy
     return out, verdict

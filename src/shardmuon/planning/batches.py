@@ -150,6 +150,7 @@ def plan_batches(
     rotate_owners: bool = True,
     split_replicas: bool = False,
     local_batch_size: Callable[[MatrixLayout, tuple[int, ...] | None], int] | None = None,
+    matrix_cost: Callable[[int, int, tuple[int, ...] | None], int] | None = None,
 ) -> list[MuonBatch]:
     """Group parameters into batches; exchanged batches first (their traffic starts early).
 
@@ -160,7 +161,10 @@ def plan_batches(
     (the least loaded so far, ties round-robin), which orthogonalizes it for all.
     ``local_batch_size(layout, partitions)`` caps how many matrices one local batch stacks
     (the workspace budget decides it; default: all of a shape in one batch).
+    ``matrix_cost(rows, cols, partitions)``: the load one matrix adds to its owner (the
+    engine's FLOPs; default :func:`newton_schulz_cost`).
     """
+    matrix_cost = matrix_cost or newton_schulz_cost
     by_key: dict[tuple, list[PlanEntry]] = {}
     for entry in entries:
         by_key.setdefault(_batch_key(entry), []).append(entry)
@@ -175,7 +179,7 @@ def plan_batches(
         if layout.exchanged:
             k = layout.group.size
             picker = pickers.setdefault(layout.group.ranks, _OwnerPicker(k))
-            cost = newton_schulz_cost(layout.rows, layout.cols, first.partitions)
+            cost = matrix_cost(layout.rows, layout.cols, first.partitions)
             for start in range(0, len(units), k):
                 chunk = units[start : start + k]
                 if rotate_owners:
@@ -207,7 +211,7 @@ def plan_batches(
         replicas = batch.layout.replicas
         if split_replicas and replicas is not None:
             picker = replica_pickers.setdefault(replicas.ranks, _OwnerPicker(replicas.size))
-            cost = batch.num_matrices * newton_schulz_cost(
+            cost = batch.num_matrices * matrix_cost(
                 batch.layout.rows, batch.layout.cols, batch.partitions
             )
             (batch.replica,) = picker.pick(1, cost)

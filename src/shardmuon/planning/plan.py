@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from shardmuon.ops.ns_engine import DEFAULT_COST, EngineCost
 from shardmuon.ops.partitions import check_partitions, dion_group_partitions, row_scales
 from shardmuon.planning.batches import MuonBatch, PlanEntry, plan_batches
 from shardmuon.planning.placements import MatrixLayout, matrix_layout
@@ -58,6 +59,8 @@ class Plan:
     partitions: list[tuple[int, ...] | None]
     batches: list[MuonBatch]
     adamw: list[AdamWChunk]
+    # The Newton–Schulz engine's cost model the batches were cut and balanced with.
+    ns_cost: EngineCost = DEFAULT_COST
 
 
 def plan_settings(
@@ -67,6 +70,7 @@ def plan_settings(
     rotate_owners: bool,
     split_replicas: bool,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    ns_cost: EngineCost = DEFAULT_COST,
 ) -> tuple:
     """Everything a plan is built from, as a comparable value.
 
@@ -94,6 +98,7 @@ def plan_settings(
         bool(rotate_owners),
         bool(split_replicas),
         int(workspace_bytes),
+        ns_cost,
     )
 
 
@@ -113,6 +118,7 @@ def build_plan(
     rotate_owners: bool,
     split_replicas: bool = False,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    ns_cost: EngineCost = DEFAULT_COST,
 ) -> Plan:
     """Read every Muon parameter's layout and partitions and cut the batches (once).
 
@@ -168,9 +174,14 @@ def build_plan(
         entries.append(PlanEntry(index, layout, p.dtype, sizes, setting_float(group["epsilon"])))
 
     def local_size(layout: MatrixLayout, partitions: tuple[int, ...] | None) -> int:
-        return local_batch_size(layout.local_rows, layout.local_cols, partitions, workspace_bytes)
+        return local_batch_size(
+            layout.local_rows, layout.local_cols, partitions, workspace_bytes, ns_cost
+        )
 
-    batches = plan_batches(entries, rotate_owners, split_replicas, local_size)
+    def matrix_cost(rows: int, cols: int, partitions: tuple[int, ...] | None) -> int:
+        return sum(ns_cost.matrix_flops(r, cols) for r in partitions or (rows,))
+
+    batches = plan_batches(entries, rotate_owners, split_replicas, local_size, matrix_cost)
     adamw = [AdamWChunk(g) for g, grp in enumerate(param_groups) if grp["algorithm"] == "adamw"]
     return Plan(
         params=[p for _, p in muon_params],
@@ -180,4 +191,5 @@ def build_plan(
         partitions=partitions,
         batches=batches,
         adamw=adamw,
+        ns_cost=ns_cost,
     )

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardmuon.ops.newton_schulz import NORMALIZE_CHUNK_ELEMENTS
+from shardmuon.ops.ns_engine import DEFAULT_COST, EngineCost
 from shardmuon.planning.batches import MuonBatch
 
 __all__ = [
@@ -55,53 +55,48 @@ class BatchBytes:
     peak: int
 
 
-def newton_schulz_bytes(count: int, rows: int, cols: int) -> int:
-    """Peak bytes ``newton_schulz`` allocates for a bf16 ``[count, rows, cols]`` input (the
-    input excluded, its bf16 output included).
-
-    The largest of its three phases: the fp32 copy the norm's reduction takes; the bf16
-    normalised ``X``, the norms, and one fp32 slice of the division; the iteration's two ``X`` buffers
-    and two ``[s, s]`` Gram buffers per matrix (``s = min(rows, cols)``).
-    """
-    total = count * rows * cols
-    small = min(rows, cols)
-    reduction = FP32 * total
-    division = BF16 * total + FP32 * min(total, NORMALIZE_CHUNK_ELEMENTS) + FP32 * count
-    iteration = 2 * BF16 * total + 2 * BF16 * count * small * small
-    return max(reduction, division, iteration)
+def newton_schulz_bytes(count: int, rows: int, cols: int, cost: EngineCost = DEFAULT_COST) -> int:
+    """Peak bytes one Newton–Schulz call allocates for a bf16 ``[count, rows, cols]`` input
+    (the input excluded, its bf16 output included), by the engine ``cost`` describes (the
+    default: folded bf16). The phases and their bytes are the engine table's
+    (:meth:`shardmuon.ops.ns_engine.EngineCost.call_bytes`)."""
+    return cost.call_bytes(count, rows, cols)
 
 
 def _block_rows(rows: int, partitions: tuple[int, ...] | None) -> tuple[int, ...]:
     return partitions if partitions else (rows,)
 
 
-def _orthogonalize_bytes(count: int, rows: int, cols: int, partitions) -> int:
+def _orthogonalize_bytes(
+    count: int, rows: int, cols: int, partitions, cost: EngineCost = DEFAULT_COST
+) -> int:
     """Peak bytes of orthogonalizing ``count`` matrices (input excluded, output included),
-    partition blocks one size at a time."""
+    partition blocks one size at a time, by the engine ``cost`` describes."""
     blocks = _block_rows(rows, partitions)
     by_size: dict[int, int] = {}
     for size in blocks:
         by_size[size] = by_size.get(size, 0) + 1
     if len(blocks) == 1:
-        return newton_schulz_bytes(count, rows, cols)
+        return cost.call_bytes(count, rows, cols)
     # Blocks of one size are stacked (a copy), orthogonalized, and written into the output.
     worst = max(
-        2 * BF16 * count * n * size * cols + newton_schulz_bytes(count * n, size, cols)
+        2 * BF16 * count * n * size * cols + cost.call_bytes(count * n, size, cols)
         for size, n in by_size.items()
     )
     return BF16 * count * rows * cols + worst
 
 
-def batch_bytes(batch: MuonBatch) -> BatchBytes:
-    """What ``batch`` needs on this rank (see the module docstring); every matrix assumed active."""
+def batch_bytes(batch: MuonBatch, cost: EngineCost = DEFAULT_COST) -> BatchBytes:
+    """What ``batch`` needs on this rank (see the module docstring); every matrix assumed
+    active; Newton–Schulz by the engine ``cost`` describes."""
     layout = batch.layout
     if layout.exchanged:
         me = layout.group.rank_index
-        return _exchanged_bytes(batch, layout.piece_numel(me), me in batch.owners)
-    return _local_bytes(batch)
+        return _exchanged_bytes(batch, layout.piece_numel(me), me in batch.owners, cost)
+    return _local_bytes(batch, cost)
 
 
-def schedule_bytes(batch: MuonBatch) -> BatchBytes:
+def schedule_bytes(batch: MuonBatch, cost: EngineCost = DEFAULT_COST) -> BatchBytes:
     """What ``batch`` needs on the member of its group that needs the most: an upper bound of
     :func:`batch_bytes` on every rank, computed from what every rank knows alike.
 
@@ -111,41 +106,60 @@ def schedule_bytes(batch: MuonBatch) -> BatchBytes:
     """
     layout = batch.layout
     if layout.exchanged:
-        return _exchanged_bytes(batch, layout.largest_piece_numel, bool(batch.owners))
-    return _local_bytes(batch)
+        return _exchanged_bytes(batch, layout.largest_piece_numel, bool(batch.owners), cost)
+    return _local_bytes(batch, cost)
 
 
-def _exchanged_bytes(batch: MuonBatch, piece: int, owned: bool) -> BatchBytes:
+def _exchanged_bytes(batch: MuonBatch, piece: int, owned: bool, cost: EngineCost) -> BatchBytes:
     layout = batch.layout
     own = batch.num_matrices * piece
     whole = layout.rows * layout.cols if owned else 0
     held = 2 * BF16 * own + 2 * BF16 * whole
-    compute = _orthogonalize_bytes(1, layout.rows, layout.cols, batch.partitions) if owned else 0
+    compute = (
+        _orthogonalize_bytes(1, layout.rows, layout.cols, batch.partitions, cost) if owned else 0
+    )
     # The prepare phase's fp32 directions, the finish phase's fp32 update (and the fp32
     # copy of a low-precision weight): one segment at a time, at most the batch.
     element_wise = 2 * FP32 * own
     return BatchBytes(held=held, peak=max(compute, element_wise))
 
 
-def _local_bytes(batch: MuonBatch) -> BatchBytes:
+def _local_bytes(batch: MuonBatch, cost: EngineCost) -> BatchBytes:
     layout = batch.layout
     numel = batch.num_matrices * layout.local_rows * layout.local_cols
     held = 2 * BF16 * numel
     compute = _orthogonalize_bytes(
-        batch.num_matrices, layout.local_rows, layout.local_cols, batch.partitions
+        batch.num_matrices, layout.local_rows, layout.local_cols, batch.partitions, cost
     )
     return BatchBytes(held=held, peak=max(compute, 2 * FP32 * numel))
 
 
 def local_batch_size(
-    local_rows: int, local_cols: int, partitions: tuple[int, ...] | None, budget: int
+    local_rows: int,
+    local_cols: int,
+    partitions: tuple[int, ...] | None,
+    budget: int,
+    cost: EngineCost = DEFAULT_COST,
 ) -> int:
     """The most matrices of one local shape a batch may stack within ``budget`` (at least 1)."""
     one = 2 * BF16 * local_rows * local_cols + max(
-        _orthogonalize_bytes(1, local_rows, local_cols, partitions),
+        _orthogonalize_bytes(1, local_rows, local_cols, partitions, cost),
         2 * FP32 * local_rows * local_cols,
     )
-    return max(1, budget // max(1, one))
+    size = max(1, budget // max(1, one))
+    # Per-call bytes are not linear in the count (one matrix's rare-path copies, the guard's
+    # recompute): shrink until the whole stack fits.
+    while (
+        size > 1
+        and 2 * BF16 * size * local_rows * local_cols
+        + max(
+            _orthogonalize_bytes(size, local_rows, local_cols, partitions, cost),
+            2 * FP32 * size * local_rows * local_cols,
+        )
+        > budget
+    ):
+        size = max(1, size * 3 // 4)
+    return size
 
 
 def schedule(sizes: Sequence[BatchBytes], budget: int, max_in_flight: int) -> list[tuple[str, int]]:
@@ -207,11 +221,14 @@ def schedule(sizes: Sequence[BatchBytes], budget: int, max_in_flight: int) -> li
 
 
 def step_schedule(
-    batches: Sequence[MuonBatch], budget: int, max_in_flight: int
+    batches: Sequence[MuonBatch],
+    budget: int,
+    max_in_flight: int,
+    cost: EngineCost = DEFAULT_COST,
 ) -> list[tuple[str, int]]:
     """The order of the step's phases: :func:`schedule` of the batches' :func:`schedule_bytes`
     (the same on every rank that plans the same batches)."""
-    return schedule([schedule_bytes(b) for b in batches], budget, max_in_flight)
+    return schedule([schedule_bytes(b, cost) for b in batches], budget, max_in_flight)
 
 
 def peak_of_schedule(ops: Sequence[tuple[str, int]], sizes: Sequence[BatchBytes]) -> int:
@@ -226,7 +243,12 @@ def peak_of_schedule(ops: Sequence[tuple[str, int]], sizes: Sequence[BatchBytes]
     return peak
 
 
-def workspace_peak_bytes(batches: Sequence[MuonBatch], budget: int, max_in_flight: int) -> int:
+def workspace_peak_bytes(
+    batches: Sequence[MuonBatch],
+    budget: int,
+    max_in_flight: int,
+    cost: EngineCost = DEFAULT_COST,
+) -> int:
     """The estimated peak transient bytes of one step's Muon batches on this rank."""
-    ops = step_schedule(batches, budget, max_in_flight)
-    return peak_of_schedule(ops, [batch_bytes(b) for b in batches])
+    ops = step_schedule(batches, budget, max_in_flight, cost)
+    return peak_of_schedule(ops, [batch_bytes(b, cost) for b in batches])

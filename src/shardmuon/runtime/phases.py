@@ -124,19 +124,18 @@ class StepContext:
         """
         stats = self.stats
         stats.matrices_orthogonalized += U.size(0)
-        if U.numel():
-            stats.nonfinite_counts.append((~torch.isfinite(U)).flatten(1).any(1).sum())
         stats.owned_shapes.extend([(U.size(1), U.size(2))] * U.size(0))
 
         def ns(X: Tensor) -> Tensor:
             stats.ns_calls.append((X.size(0), X.size(1), X.size(2)))
             out = self.newton_schulz(X, self.coefficients, batch.eps)
-            for verdict in getattr(self.newton_schulz, "verdicts", ()):
+            # What the call saw, from its own normalisation: no pass over the directions.
+            masks, verdicts = self.newton_schulz.take_report()
+            stats.nonfinite_counts.extend(mask.sum() for mask in masks)
+            for verdict in verdicts:
                 stats.ns_checked += verdict.checked
                 stats.ns_fallbacks += verdict.fallbacks
                 stats.ns_worst_ratio = max(stats.ns_worst_ratio, verdict.worst_ratio)
-            if getattr(self.newton_schulz, "verdicts", None):
-                self.newton_schulz.verdicts.clear()
             return out
 
         return orthogonalize_blocks(U, batch.partitions, ns)

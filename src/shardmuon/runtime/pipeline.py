@@ -48,11 +48,13 @@ def run_step(
     ``stager.prefetch`` chunks ahead of its use and stored right after it.
     """
     plan = ctx.plan
-    sizes = [batch_bytes(b) for b in plan.batches]
+    sizes = [batch_bytes(b, plan.ns_cost) for b in plan.batches]
     runs = {i: new_run(ctx, batch) for i, batch in enumerate(plan.batches)}
     if stager is None:
         update_all_momenta(ctx, list(runs.values()))
-    ops = _with_adamw(step_schedule(plan.batches, budget, max_in_flight), len(plan.adamw))
+    ops = _with_adamw(
+        step_schedule(plan.batches, budget, max_in_flight, plan.ns_cost), len(plan.adamw)
+    )
     staging = None
     if stager is not None:
         uses = [op for op in ops if op[0] in ("prepare", "adamw")]
