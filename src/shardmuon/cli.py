@@ -2,9 +2,12 @@
 package provides it, ``shardmuon train``.
 
 Bad arguments exit with status 2 and a one-line message (argparse's convention), never a
-traceback: the commands raise ``ValueError`` for invalid values and :func:`main` reports it.
-Flags are never abbreviated, and a mistyped one gets "did you mean"
-(:class:`shardmuon.harness.cli_support.ArgumentParser`).
+traceback: the commands raise ``ValueError`` for invalid values and :func:`main` reports it;
+a bad number (``--lr nan``) is refused while parsing, by the flag's checked type
+(:class:`shardmuon.harness.cli_support.Number`). Flags are never abbreviated, and a
+mistyped flag or sub-command gets "did you mean"
+(:class:`shardmuon.harness.cli_support.ArgumentParser`). No command starts more processes
+than the machine holds (:func:`shardmuon.harness.processes.check_process_count`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def _default_bench_command(argv: list[str]) -> list[str]:
     """``shardmuon bench [options]`` means ``shardmuon bench step [options]``.
 
     Only options (or nothing) after ``bench`` select ``step``: a bare word that is not a
-    sub-command (``bench stpe``) is left for argparse, which lists the sub-commands.
+    sub-command (``bench stpe``) is left for argparse, which lists the sub-commands and
+    names the closest ("did you mean step?").
     """
     if argv and argv[0] == "bench":
         rest = argv[1:]

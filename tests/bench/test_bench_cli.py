@@ -217,10 +217,7 @@ def test_ab_is_close_to_fp64_muon(tmp_path, capsys):
         (["bench", "step", "--nproc", "3", "--layout", "hsdp", "--mesh", "2x2"], "has 4 ranks"),
         (["bench", "step", "--nproc", "2", "--impl", "torch-muon"], "--impl torch-muon"),
         (["bench", "step", "--impl", "sgd"], "bad --impl 'sgd'"),
-        (["bench", "step", "--steps", "1"], "--steps must be >= 2"),
-        (["bench", "step", "--ns-repeats", "0"], "--ns-repeats must be >= 1"),
         (["bench", "step", "--layout", "ep", "--impl", "dion"], "--impl dion: dion's Muon"),
-        (["bench", "ab", "--steps", "0"], "--steps must be >= 1"),
     ],
 )
 def test_bad_values_exit_2_with_a_message(argv, message, capsys):

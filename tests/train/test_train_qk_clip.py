@@ -98,7 +98,10 @@ def test_the_json_and_the_plot_carry_the_max_logit(runs):
         (["--qk-clip-threshold", "0"], "threshold must be a finite number > 0, got 0.0"),
         (["--qk-clip-threshold", "nan"], "threshold must be a finite number > 0, got nan"),
         (["--qk-clip-threshold", "10", "--qk-clip-alpha", "1.5"], r"alpha must be in [0, 1]"),
-        (["--qk-clip-threshold", "1e400"], "qk_clip_threshold must be a finite number > 0"),
+        (
+            ["--qk-clip-threshold", "1e400"],
+            "--qk-clip-threshold must be a finite number > 0, got 1e400",
+        ),
         (["--log-max-logit", "--qk-clip-alpha", "0.3"], "--qk-clip-alpha 0.3 given without"),
     ],
 )

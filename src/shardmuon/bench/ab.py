@@ -31,7 +31,14 @@ from shardmuon.bench.report import (
     set_threads,
     write_outputs,
 )
-from shardmuon.harness.cli_support import HelpFormatter, add_hidden_alias, check_outputs
+from shardmuon.harness.cli_support import (
+    HelpFormatter,
+    add_hidden_alias,
+    check_outputs,
+    positive_float,
+    positive_int,
+    seed_int,
+)
 from shardmuon.harness.models import attention_dims, build_model
 from shardmuon.ops.newton_schulz import NS_PRESETS, newton_schulz_reference
 
@@ -180,7 +187,7 @@ def add_parser(subparsers) -> None:
         allow_abbrev=False,
     )
     add_model_arguments(p, "tiny-moe")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps compared")
+    p.add_argument("--steps", type=positive_int, default=3, help="optimizer steps compared")
     p.add_argument(
         "--coefficients",
         type=str,
@@ -190,9 +197,11 @@ def add_parser(subparsers) -> None:
         "and Gram rows are always added)",
     )
     add_hidden_alias(p, "--presets", "coefficients", type=str)
-    p.add_argument("--lr", type=float, default=0.02, help="learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model and the grads")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--lr", type=positive_float, default=0.02, help="learning rate")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the model and the grads")
+    p.add_argument(
+        "--threads", type=positive_int, default=None, help="torch threads (default: torch's)"
+    )
     add_output_arguments(p, "line plot")
     p.set_defaults(func=run)
 
@@ -212,13 +221,8 @@ def _rows(presets: str | None) -> list[tuple[str, str]]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the A/B from parsed arguments; returns the exit code."""
+    # The numbers were checked by their argparse types.
     check_outputs({"--json": args.json, "--plot": args.plot})
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    if args.layers is not None and args.layers < 1:
-        raise ValueError(f"--layers must be >= 1, got {args.layers}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
     rows_spec = _rows(args.coefficients)
     set_threads(args.threads)
     setup = _Setup(args.model, args.layers, args.lr, args.seed)

@@ -19,7 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardmuon.harness.processes import exit_worker, free_port, threads_per_rank
+from shardmuon.harness.processes import (
+    check_process_count,
+    exit_worker,
+    free_port,
+    threads_per_rank,
+)
 
 __all__ = ["RankContext", "launch", "torchrun_world_size"]
 
@@ -114,7 +119,8 @@ def launch(
 
     ``body`` and ``config`` must be picklable (a module-level function and a dataclass).
     With ``nproc == 1`` and ``needs_process_group=False`` the body runs in this process
-    with no process group.
+    with no process group. More processes than the machine holds raise ``ValueError``
+    before any is started (:func:`shardmuon.harness.processes.check_process_count`).
     """
     _quiet()
     world = torchrun_world_size()
@@ -127,6 +133,7 @@ def launch(
     if nproc == 1 and not needs_process_group:
         ctx = _setup(0, 1, 0, threads, distributed=False)
         return body(ctx, config)
+    check_process_count(nproc)
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="shardmuon-bench-") as tmp:

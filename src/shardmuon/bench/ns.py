@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 
-from shardmuon.bench.common import DTYPE_NAMES, DTYPES, add_output_arguments, relative_difference
+from shardmuon.bench.common import (
+    DTYPE_NAMES,
+    DTYPES,
+    add_output_arguments,
+    fp16_cpu_note,
+    relative_difference,
+)
 from shardmuon.bench.matrices import INPUT_KINDS, make_inputs, relative_error
 from shardmuon.bench.report import (
     fmt,
@@ -27,7 +33,14 @@ from shardmuon.bench.report import (
     set_threads,
     write_outputs,
 )
-from shardmuon.harness.cli_support import HelpFormatter, add_hidden_alias, check_outputs
+from shardmuon.harness.cli_support import (
+    HelpFormatter,
+    add_hidden_alias,
+    check_outputs,
+    note,
+    positive_int,
+    seed_int,
+)
 from shardmuon.ops.gram_newton_schulz import (
     default_restarts,
     gram_flops,
@@ -275,9 +288,13 @@ def add_parser(subparsers) -> None:
         help="comma-separated iteration dtypes of the standard-vs-Gram table, among "
         f"{', '.join(DTYPES)} (fp16 GEMMs are slow on CPUs without AVX512-FP16/AMX-FP16)",
     )
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per figure (median)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random input matrices")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=5, help="timed calls per figure (median)"
+    )
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the random input matrices")
+    p.add_argument(
+        "--threads", type=positive_int, default=None, help="torch threads (default: torch's)"
+    )
     p.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -298,9 +315,8 @@ def _device(name: str) -> torch.device:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark from parsed arguments; returns the exit code."""
+    # The numbers were checked by their argparse types.
     check_outputs({"--json": args.json, "--plot": args.plot})
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     set_threads(args.threads)
     device = _device(args.device)
     if args.shapes is None:
@@ -309,6 +325,10 @@ def run(args: argparse.Namespace) -> int:
         shapes = parse_shapes(args.shapes)
     presets = parse_presets(args.coefficients)
     dtypes = parse_dtypes(args.dtypes)
+    if device.type == "cpu" and torch.float16 in dtypes:
+        fp16 = fp16_cpu_note("--dtypes with fp16")
+        if fp16:
+            note(f"bench ns: {fp16}")
 
     rows: list[dict[str, Any]] = []
     engines: list[dict[str, Any]] = []

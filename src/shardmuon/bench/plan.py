@@ -69,6 +69,7 @@ from shardmuon.harness.cli_support import (
     check_outputs,
     default_mesh_note,
     note,
+    positive_int,
 )
 from shardmuon.harness.parallel import LAYOUTS, LayoutPlan
 from shardmuon.ops.newton_schulz import NS_PRESETS
@@ -256,7 +257,9 @@ def add_parser(subparsers) -> None:
         allow_abbrev=False,
     )
     add_model_arguments(p, "qwen3-30b-a3b")
-    p.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary size")
+    p.add_argument(
+        "--vocab-size", type=positive_int, default=None, help="override the vocabulary size"
+    )
     p.add_argument("--layout", choices=LAYOUTS, default="fsdp", help="how params are sharded")
     p.add_argument(
         "--world-size",
@@ -289,9 +292,6 @@ def add_parser(subparsers) -> None:
 def _check_args(args: argparse.Namespace) -> tuple[PlanConfig, list[LayoutPlan]]:
     """Every argument checked before any work; ``ValueError`` with a one-line message."""
     check_outputs({"--json": args.json, "--plot": args.plot})
-    for flag, value in (("--layers", args.layers), ("--vocab-size", args.vocab_size)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
     sizes = parse_world_sizes(args.world_size)
     meshes = parse_meshes(args.mesh, len(sizes))
     # Errors speak of --world-size: bench plan simulates its ranks and starts no process.

@@ -177,11 +177,15 @@ def new_progress(enabled: bool = True):
 
 
 def set_threads(threads: int | None) -> None:
-    """Set torch's intra-op threads (``None``: leave torch's default); ``ValueError`` if < 1."""
+    """Set torch's intra-op threads (``None``: leave torch's default); ``ValueError`` if < 1
+    or more than the cores can use (:func:`shardmuon.harness.processes.check_thread_count`)."""
+    from shardmuon.harness.processes import check_thread_count
+
     if threads is None:
         return
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
+    check_thread_count(threads)
     torch.set_num_threads(threads)
 
 

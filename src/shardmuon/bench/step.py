@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
-from shardmuon.bench.common import DTYPES, add_model_arguments, add_output_arguments
+from shardmuon.bench.common import (
+    DTYPES,
+    add_model_arguments,
+    add_output_arguments,
+    fp16_cpu_note,
+)
 from shardmuon.bench.launch import launch, torchrun_world_size
 from shardmuon.bench.optimizers import (
     DEFAULT_OFF,
@@ -35,15 +40,28 @@ from shardmuon.harness.cli_support import (
     check_mesh,
     check_outputs,
     default_mesh_note,
+    int_at_least,
     note,
+    positive_float,
+    positive_int,
+    seed_int,
 )
 from shardmuon.harness.parallel import LAYOUTS, parse_mesh_shape
+from shardmuon.harness.processes import NPROC_RULE, check_process_count, check_thread_count
 from shardmuon.ops.newton_schulz import NS_PRESETS
 from shardmuon.ops.ns_engine import NS_CHOICES
 
 DEFAULT_MODEL = "tiny-moe"
 
-__all__ = ["IMPLEMENTATIONS", "StepConfig", "add_parser", "parse_impls", "run", "summarize"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "StepConfig",
+    "add_parser",
+    "drop_duplicate_configs",
+    "parse_impls",
+    "run",
+    "summarize",
+]
 
 
 def _not_applicable(world_size: int, layout: str) -> dict[str, str]:
@@ -140,13 +158,15 @@ def add_parser(subparsers) -> None:
         allow_abbrev=False,
     )
     add_model_arguments(p, DEFAULT_MODEL)
-    p.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary size")
+    p.add_argument(
+        "--vocab-size", type=positive_int, default=None, help="override the vocabulary size"
+    )
     p.add_argument(
         "--nproc",
-        type=int,
+        type=positive_int,
         default=None,
-        help="processes to spawn (default: the GPU count on CUDA, 2 on CPU; "
-        "ignored under torchrun)",
+        help="processes to spawn (default: the GPU count on CUDA, 2 on CPU; ignored under "
+        f"torchrun); {NPROC_RULE}",
     )
     p.add_argument("--layout", choices=LAYOUTS, default="fsdp", help="how params are sharded")
     p.add_argument(
@@ -156,7 +176,9 @@ def add_parser(subparsers) -> None:
         help="mesh shape, e.g. 2x1 (hsdp: REPLICATExSHARD, ep: EPxDP, fsdp-tp: DPxTP; "
         "default: from --nproc)",
     )
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps per implementation")
+    p.add_argument(
+        "--steps", type=int_at_least(2), default=12, help="optimizer steps per implementation"
+    )
     p.add_argument(
         "--impl",
         type=str,
@@ -172,7 +194,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--ns-repeats",
-        type=int,
+        type=positive_int,
         default=5,
         help="replays of each rank's Newton-Schulz calls for the step ÷ NS column (median)",
     )
@@ -205,34 +227,51 @@ def add_parser(subparsers) -> None:
         "offload='state' (rows 'IMPL+offload'); both, comma-separated ('none,state'), run "
         "side by side",
     )
-    p.add_argument("--lr", type=float, default=0.02, help="learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and grads")
+    p.add_argument("--lr", type=positive_float, default=0.02, help="learning rate")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the random weights and grads")
     p.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
-        help="torch threads per process (default: cores / processes)",
+        help="torch threads per process, at most max(8, 4 per core) (default: cores / processes)",
     )
     add_output_arguments(p, "bar chart")
     p.set_defaults(func=run)
 
 
-def _check_positive(flag: str, value: int | None, minimum: int = 1) -> None:
-    if value is not None and value < minimum:
-        raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+def drop_duplicate_configs(
+    impls: list[str], overrides: dict[str, str], given: str
+) -> tuple[list[str], dict[str, str]]:
+    """``impls`` less each shardmuon impl that runs the configuration of an earlier one once
+    ``overrides`` (the ``Muon`` keywords of ``--ns-impl``/``--ns-dtype``, spelt ``given``)
+    are set on every shardmuon impl; and the dropped ones, with why.
+
+    ``--ns-impl gram`` makes ``shardmuon-gram`` (and ``shardmuon-unfolded``) ``shardmuon``
+    again: two rows of one configuration would differ by noise only.
+    """
+    kept, dropped, seen = [], {}, {}
+    for impl in impls:
+        options = shardmuon_options(impl)
+        if options is None:
+            kept.append(impl)
+            continue
+        key = tuple(sorted({**options, **overrides}.items()))
+        if key in seen:
+            dropped[impl] = f"runs the same configuration as {seen[key]} under {given}"
+            continue
+        seen[key] = impl
+        kept.append(impl)
+    return kept, dropped
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate, launch the workers, print the table; returns the exit code."""
+    """Validate, launch the workers, print the table; returns the exit code.
+
+    The numbers were checked by their argparse types; here, before any work, the outputs,
+    the process count against the machine, the mesh and the implementations.
+    """
     check_outputs({"--json": args.json, "--plot": args.plot})
-    _check_positive("--steps", args.steps, 2)
-    _check_positive("--nproc", args.nproc)
-    _check_positive("--layers", args.layers)
-    _check_positive("--vocab-size", args.vocab_size)
-    _check_positive("--threads", args.threads)
-    _check_positive("--ns-repeats", args.ns_repeats)
-    if args.lr <= 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    check_thread_count(args.threads)
     world = torchrun_world_size()
     if world is None:
         world = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
@@ -242,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{torch.cuda.device_count()}"
             )
         world_source = f"--nproc {world}" if args.nproc else f"the default --nproc {world}"
+        check_process_count(world)
     else:
         world_source = f"torchrun's {world} processes"
     mesh = parse_mesh_shape(args.mesh, "dims joined by 'x', e.g. 4 or 2x2")
@@ -269,6 +309,21 @@ def run(args: argparse.Namespace) -> int:
         ns_impl=args.ns_impl,
         ns_dtype=args.ns_dtype,
     )
+    given = " ".join(
+        f"{flag} {value}"
+        for flag, value in (("--ns-impl", args.ns_impl), ("--ns-dtype", args.ns_dtype))
+        if value is not None
+    )
+    kept, duplicates = drop_duplicate_configs(impls, cfg.ns_options(), given)
+    if duplicates:
+        impls, skipped = kept, {**skipped, **duplicates}
+        cfg = replace(cfg, impls=tuple(impls))
+    runs_fp16 = DTYPES.get(args.ns_dtype) is torch.float16 and any(
+        shardmuon_options(impl) is not None for impl in impls
+    )
+    fp16 = fp16_cpu_note(f"--ns-dtype {args.ns_dtype}") if runs_fp16 else None
+    if fp16 and not torch.cuda.is_available() and os.environ.get("RANK", "0") == "0":
+        note(f"bench step: {fp16}")
     needs_group = world > 1 or args.layout != "none"
     out = launch(worker, cfg, world, threads=args.threads, needs_process_group=needs_group)
     if out is None:  # a non-zero rank under torchrun

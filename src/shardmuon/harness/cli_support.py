@@ -1,6 +1,12 @@
 """Pieces shared by ``shardmuon bench`` and ``shardmuon train``: output-path checks made
 before any work, the argument parser (no abbreviations, "did you mean" for a typo), the
-``--help`` formatter, flag aliases and the one-line "wrote" notes.
+checked number types of every numeric flag, the ``--help`` formatter, flag aliases and the
+one-line "wrote" notes.
+
+Every numeric flag of every command takes one of the :class:`Number` types below
+(``type=positive_int``, ``type=positive_float``, ...), never a bare ``int`` or ``float``:
+``nan``, ``inf``, a value out of range or a word is refused while the arguments are parsed,
+before any work, with one line naming the flag, what was given and what is accepted.
 
 Every command checks its output paths (``--json``, ``--plot``, ``--csv``, ``--dion-out``,
 ``--checkpoint-dir``) first, so that a path that cannot be written fails in a second with a
@@ -12,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import itertools
+import math
 import os
 import sys
 import tempfile
@@ -27,16 +35,100 @@ __all__ = [
     "MESH_FORMS",
     "ArgumentParser",
     "HelpFormatter",
+    "Number",
     "add_hidden_alias",
     "check_mesh",
     "check_output_dir",
     "check_output_file",
     "check_outputs",
+    "close_choices",
     "default_mesh_note",
     "describe_mesh",
+    "int_at_least",
+    "nonnegative_float",
+    "nonnegative_int",
     "note",
     "note_written",
+    "positive_float",
+    "positive_int",
+    "seed_int",
+    "unit_interval",
 ]
+
+
+class Number:
+    """An argparse ``type=`` for a number in a range: an ``int`` or a finite ``float``.
+
+    ``low``/``high`` bound it (``None``: unbounded), inclusive unless ``low_open`` /
+    ``high_open``. A value that is not a number of that kind, or out of range, raises
+    ``argparse.ArgumentTypeError`` saying ``must be <accepted>, got <value>``;
+    :class:`ArgumentParser` prefixes the flag and reports it in one line.
+    """
+
+    def __init__(
+        self,
+        kind: type,
+        low: float | None = None,
+        high: float | None = None,
+        *,
+        low_open: bool = False,
+        high_open: bool = False,
+        accepted: str | None = None,
+    ) -> None:
+        if kind not in (int, float):
+            raise TypeError(f"Number takes int or float, got {kind!r}")
+        self.kind, self.low, self.high = kind, low, high
+        self.low_open, self.high_open = low_open, high_open
+        self.accepted = accepted or self._describe()
+        # argparse names a type by its __name__ in some messages.
+        self.__name__ = kind.__name__
+
+    def _describe(self) -> str:
+        what = "an int" if self.kind is int else "a finite number"
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            inside = f"in {left}{self.low:g}, {self.high:g}{right}"
+            return f"an int {inside}" if self.kind is int else inside
+        if self.low is not None:
+            return f"{what} {'>' if self.low_open else '>='} {self.low:g}"
+        if self.high is not None:
+            return f"{what} {'<' if self.high_open else '<='} {self.high:g}"
+        return what
+
+    def __call__(self, text: str):
+        try:
+            value = self.kind(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {self.accepted}, got {text!r}") from None
+        shown = repr(value)
+        if self.kind is float and not math.isfinite(value):
+            if text.strip().lstrip("+-").lower() not in ("inf", "infinity", "nan"):
+                shown = f"{text} (overflows to {value!r})"
+            raise argparse.ArgumentTypeError(f"must be {self.accepted}, got {shown}")
+        below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        above = self.high is not None and (
+            value >= self.high if self.high_open else value > self.high
+        )
+        if below or above:
+            raise argparse.ArgumentTypeError(f"must be {self.accepted}, got {shown}")
+        return value
+
+    def __repr__(self) -> str:
+        return f"Number({self.accepted})"
+
+
+positive_int = Number(int, 1)
+nonnegative_int = Number(int, 0)
+# torch's generators take seeds up to 2**64 - 1 (and negatives, which nothing here needs).
+seed_int = Number(int, 0, 2**64 - 1, accepted="an int in [0, 2**64)")
+positive_float = Number(float, 0, low_open=True)
+nonnegative_float = Number(float, 0)
+unit_interval = Number(float, 0, 1)
+
+
+def int_at_least(minimum: int) -> Number:
+    """The ``type=`` of an int flag that must be ``>= minimum`` (``--steps``: 2)."""
+    return Number(int, minimum)
 
 
 def _is_writable_dir(directory: Path) -> bool:
@@ -174,17 +266,58 @@ class ArgumentParser(argparse.ArgumentParser):
             parser.error(parser.unrecognized_message(own))
         return namespace
 
+    def _get_value(self, action: argparse.Action, arg_string: str):
+        if not isinstance(action.type, Number):
+            return super()._get_value(action, arg_string)
+        try:
+            return action.type(arg_string)
+        except argparse.ArgumentTypeError as err:
+            # A bad number is a bad value, not a misuse of the command: one line, no usage.
+            self._bad_value = True
+            flag = argparse._get_action_name(action)
+            raise argparse.ArgumentError(None, f"{flag} {err}") from None
+
+    def _check_value(self, action: argparse.Action, value) -> None:
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as err:
+            self._invalid_choice = value
+            close = close_choices(str(value), [str(c) for c in action.choices])
+            if not close:
+                raise
+            self._suggested_choice = True
+            raise argparse.ArgumentError(
+                action, f"{err.message}; did you mean {_or(close)}?"
+            ) from None
+
     def error(self, message: str):
-        # "train --nprocs 2": argparse skips the unknown flag and takes "2" for a
-        # sub-command; the flag is what to report.
+        if getattr(self, "_bad_value", False):
+            self.exit(2, f"{self.prog}: error: {message}\n")
+        # "train --nprocs 2": argparse skips the unknown flag and takes its value "2" for a
+        # sub-command; the flag is what to report. A mistyped sub-command ("bench stpe
+        # --no-progress") is reported as such.
         unknown = self._unknown_flags()
-        if unknown and any(
-            message.startswith(f"argument {argparse._get_action_name(action)}: invalid choice")
-            for action in self._actions
-            if isinstance(action, argparse._SubParsersAction)
+        if (
+            unknown
+            and not getattr(self, "_suggested_choice", False)
+            and self._follows_unknown_flag(getattr(self, "_invalid_choice", None))
+            and any(
+                message.startswith(f"argument {argparse._get_action_name(action)}: invalid choice")
+                for action in self._actions
+                if isinstance(action, argparse._SubParsersAction)
+            )
         ):
             message = self.unrecognized_message(unknown)
         super().error(message)
+
+    def _follows_unknown_flag(self, value: object) -> bool:
+        """Whether ``value`` was given right after a flag this parser does not know."""
+        given = getattr(self, "_given", [])
+        known = self._option_string_actions
+        return any(
+            arg == value and self._looks_like_flag(prev) and prev.split("=", 1)[0] not in known
+            for prev, arg in itertools.pairwise(given)
+        )
 
     def _unknown_flags(self) -> list[str]:
         """The flags among the arguments being parsed that no option of this parser has."""
@@ -239,6 +372,12 @@ class ArgumentParser(argparse.ArgumentParser):
                 accepted = ", ".join(self.visible_flags())
                 parts.append(f"unrecognized argument {name}; accepted: {accepted}")
         return "; ".join(parts)
+
+
+def close_choices(given: str, choices: Sequence[str]) -> list[str]:
+    """The ``choices`` a mistyped ``given`` may have meant: those it begins, else close ones."""
+    prefixed = [c for c in choices if given and c.startswith(given)]
+    return prefixed or difflib.get_close_matches(given, list(choices), n=3, cutoff=0.6)
 
 
 def _is_number(text: str) -> bool:

@@ -18,14 +18,22 @@ from shardmuon.harness.cli_support import (
     LAYERS_HELP,
     ArgumentParser,
     HelpFormatter,
+    Number,
     add_hidden_alias,
     check_outputs,
     default_mesh_note,
+    nonnegative_float,
+    nonnegative_int,
     note,
     note_written,
+    positive_float,
+    positive_int,
+    seed_int,
+    unit_interval,
 )
 from shardmuon.harness.models import MODEL_PRESETS
 from shardmuon.harness.parallel import parse_mesh_shape, plan_layout
+from shardmuon.harness.processes import NPROC_RULE
 from shardmuon.ops.newton_schulz import NS_PRESETS
 from shardmuon.train.config import OPTIMIZERS, TRAIN_LAYOUTS, TrainConfig, TrainResult
 from shardmuon.train.resume import RESUME_FIXED, adopt_checkpoint_settings
@@ -68,11 +76,11 @@ def add_parser(subparsers) -> None:
         "--layers",
         dest="num_layers",
         metavar="N",
-        type=int,
+        type=positive_int,
         default=defaults.num_layers,
         help=LAYERS_HELP,
     )
-    add_hidden_alias(train, "--num-layers", "num_layers", type=int)
+    add_hidden_alias(train, "--num-layers", "num_layers", type=positive_int)
     train.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
@@ -87,21 +95,27 @@ def add_parser(subparsers) -> None:
     )
     train.add_argument(
         "--update-rms",
-        type=float,
+        type=positive_float,
         default=None,
         help=_resume_fixed_help("update RMS of Muon's rms_norm scaling", defaults.update_rms),
     )
     train.add_argument(
-        "--lr", type=float, default=None, help=_resume_fixed_help("learning rate", defaults.lr)
+        "--lr",
+        type=positive_float,
+        default=None,
+        help=_resume_fixed_help("learning rate", defaults.lr),
     )
     train.add_argument(
         "--weight-decay",
-        type=float,
+        type=nonnegative_float,
         default=None,
         help=_resume_fixed_help("decoupled weight decay", defaults.weight_decay),
     )
     train.add_argument(
-        "--mu", type=float, default=None, help=_resume_fixed_help("Muon momentum", defaults.mu)
+        "--mu",
+        type=Number(float, 0, 1, high_open=True),
+        default=None,
+        help=_resume_fixed_help("Muon momentum, in [0, 1)", defaults.mu),
     )
     train.add_argument(
         "--nesterov",
@@ -118,7 +132,7 @@ def add_parser(subparsers) -> None:
     )
     train.add_argument(
         "--qk-clip-threshold",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="TAU",
         help="QK-clip: after each step, scale the query/key rows of every attention head whose "
@@ -126,7 +140,7 @@ def add_parser(subparsers) -> None:
     )
     train.add_argument(
         "--qk-clip-alpha",
-        type=float,
+        type=unit_interval,
         default=None,
         metavar="A",
         help=f"QK-clip: the query's share of the scale, in [0, 1] (default {defaults.qk_clip_alpha})",
@@ -137,14 +151,25 @@ def add_parser(subparsers) -> None:
         help="record every head's max attention logit per step (in --json and --plot) "
         "without clipping; always on with --qk-clip-threshold",
     )
-    train.add_argument("--steps", type=int, default=defaults.steps, help="train up to this step")
     train.add_argument(
-        "--batch-size", type=int, default=defaults.batch_size, help="global batch size"
+        "--steps", type=positive_int, default=defaults.steps, help="train up to this step"
     )
-    train.add_argument("--seed", type=int, default=defaults.seed, help="model init and data")
-    train.add_argument("--min-len", type=int, default=defaults.min_len, help="shortest string")
-    train.add_argument("--max-len", type=int, default=defaults.max_len, help="longest string")
-    train.add_argument("--nproc", type=int, default=defaults.nproc, help="processes (ranks)")
+    train.add_argument(
+        "--batch-size", type=positive_int, default=defaults.batch_size, help="global batch size"
+    )
+    train.add_argument("--seed", type=seed_int, default=defaults.seed, help="model init and data")
+    train.add_argument(
+        "--min-len", type=positive_int, default=defaults.min_len, help="shortest string"
+    )
+    train.add_argument(
+        "--max-len", type=positive_int, default=defaults.max_len, help="longest string"
+    )
+    train.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=defaults.nproc,
+        help=f"processes (ranks); {NPROC_RULE}",
+    )
     train.add_argument(
         "--layout",
         choices=TRAIN_LAYOUTS,
@@ -161,7 +186,7 @@ def add_parser(subparsers) -> None:
     train.add_argument(
         "--checkpoint-every",
         metavar="N",
-        type=int,
+        type=nonnegative_int,
         default=defaults.checkpoint_every,
         help="save every N steps (0: never)",
     )
@@ -329,5 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m shardmuon.train [plot] ...``: parse ``argv`` and run; returns the exit code."""
     parser = ArgumentParser(prog="shardmuon", formatter_class=HelpFormatter, allow_abbrev=False)
     add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
+    except SystemExit as exc:  # a bad argument (2) or --help (0): argparse has said why
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     return args.func(args)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from shardmuon.harness.cli_support import check_outputs
+from shardmuon.harness.processes import check_process_count
 from shardmuon.train.data import (
     ReverseTextTask,
 )
@@ -115,15 +116,17 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.batch_size < self.nproc:
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be >= nproc ({self.nproc}): "
-                "every rank needs at least one sample"
-            )
         if torch.cuda.is_available() and self.nproc > torch.cuda.device_count():
             raise ValueError(
                 f"nproc {self.nproc} needs {self.nproc} GPUs (one per process, NCCL); this "
                 f"machine has {torch.cuda.device_count()}"
+            )
+        # Before anything that depends on nproc is reported: what the machine holds first.
+        check_process_count(self.nproc)
+        if self.batch_size < self.nproc:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be >= nproc ({self.nproc}): "
+                "every rank needs at least one sample"
             )
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")

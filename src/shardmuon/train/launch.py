@@ -12,7 +12,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardmuon.harness.processes import exit_worker, free_port, threads_per_rank
+from shardmuon.harness.processes import (
+    check_process_count,
+    exit_worker,
+    free_port,
+    threads_per_rank,
+)
 from shardmuon.train.config import TrainConfig, TrainResult
 from shardmuon.train.loop import train_on_rank
 
@@ -77,9 +82,12 @@ def _start_method() -> str:
 def spawn_training(config: TrainConfig, resume_from: str | None) -> TrainResult:
     """Run :func:`.loop.train_on_rank` on ``config.nproc`` processes; rank 0's result.
 
-    A ``ValueError`` on the ranks (a bad checkpoint, say) is re-raised here with its message.
+    A ``ValueError`` on the ranks (a bad checkpoint, say) is re-raised here with its message;
+    so is :func:`~shardmuon.harness.processes.check_process_count`'s, before any is started.
     """
     import torch.multiprocessing as mp
+
+    check_process_count(config.nproc)
 
     with tempfile.TemporaryDirectory(prefix="shardmuon-train-") as tmp:
         result_file = os.path.join(tmp, "result.json")
