@@ -16,7 +16,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from shardmuon.ops.engines import engines_of, resolve_ns_dtype, resolve_restarts
+from shardmuon.ops.engines import (
+    check_restart_runs,
+    engines_of,
+    resolve_ns_dtype,
+    resolve_restarts,
+)
 from shardmuon.ops.update import ADJUST_LR_CHOICES
 
 __all__ = [
@@ -259,6 +264,8 @@ def check_optimizer_settings(
             f"newton_schulz_restarts={restarts!r} applies to newton_schulz_impl='gram' "
             f"(or 'auto'), not {impl!r}, which never restarts; drop it or choose 'gram'"
         )
+    if any(e.takes_restarts for e in engines_of(impl)):
+        check_restart_runs(restarts, len(settings["coefficients"]))
     if settings["newton_schulz_guard"] not in (None, True, False):
         raise TypeError(
             f"newton_schulz_guard must be None, True or False, got {settings['newton_schulz_guard']!r}"

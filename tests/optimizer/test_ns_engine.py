@@ -49,31 +49,46 @@ def test_the_engine_runs_what_its_settings_say(kwargs, expected) -> None:
         assert torch.equal(got, want), (kwargs, tuple(p.shape))
 
 
-def test_the_guard_counts_and_recomputes_gram_without_restarts_on_low_rank_grads() -> None:
-    """Gram in fp16 without restarts on a rank-2 direction diverges; the guard (on by default
-    for gram) recomputes it and says so in the step's stats; ordinary grads pass unflagged.
-    (bf16 Gram's fp32 GEMMs on a CPU do not diverge there: ``ops`` tests cover that.)"""
+def test_the_guard_counts_and_recomputes_a_diverged_result_in_the_step(monkeypatch) -> None:
+    """The step's guard (on by default for gram) passes ordinary results unflagged, and a
+    result above the band (here: Gram's made 1.5x too large) is recomputed by the standard
+    fp32 iteration and counted in the step's stats."""
+    import dataclasses
+
+    from shardmuon.ops.engines import ENGINES
+    from shardmuon.ops.normalize import Normalized
+
     ps = _params(((32, 128),))
-    opt = Muon(
-        ps,
-        newton_schulz_impl="gram",
-        newton_schulz_dtype="float16",
-        newton_schulz_restarts=(),
-        lr=0.02,
-    )
+    opt = Muon(ps, newton_schulz_impl="gram", lr=0.02)
     set_random_grads(ps, 0)
     opt.step()
     stats = opt.last_step_stats
     assert (stats.ns_checked, stats.ns_fallbacks) == (1, 0)
     assert 0 < stats.ns_worst_ratio < 1.15
-    gen = torch.Generator().manual_seed(2)
-    low_rank = torch.randn(32, 2, generator=gen) @ torch.randn(2, 128, generator=gen)
-    ps[0].grad = low_rank + 1e-3 * torch.randn(32, 128, generator=gen)
-    opt.state[ps[0]]["momentum"].zero_()
+    gram = ENGINES["gram"]
+
+    def diverged(G, *args, **kwargs):
+        out = gram.run(G, *args, **kwargs)
+        return Normalized(out.X * 1.5, out.nonfinite)
+
+    monkeypatch.setitem(ENGINES, "gram", dataclasses.replace(gram, run=diverged))
+    U = torch.randn(32, 128, generator=torch.Generator().manual_seed(2))
+    (got,) = opt.orthogonalize_chunk(ps, [U])
+    expected = newton_schulz(U.bfloat16().float(), dtype=torch.float32).to(torch.bfloat16)
+    assert torch.equal(got, expected)
+    set_random_grads(ps, 1)
     opt.step()
     stats = opt.last_step_stats
     assert (stats.ns_checked, stats.ns_fallbacks) == (1, 1), stats
     assert "divergence guard: 1 checked, 1 recomputed" in str(stats)
+
+
+def test_an_explicit_false_turns_the_guard_off_under_auto_too() -> None:
+    from shardmuon.ops.ns_engine import Orthogonalizer
+
+    assert Orthogonalizer("auto", guard=False).guards == {"folded": False, "gram": False}
+    assert Orthogonalizer("auto").guards == {"folded": False, "gram": True}
+    assert Orthogonalizer("folded", guard=True).guards == {"folded": True}
 
 
 def test_the_guard_is_off_by_default_for_the_standard_iteration() -> None:
@@ -93,9 +108,43 @@ def test_the_guard_is_off_by_default_for_the_standard_iteration() -> None:
             ValueError,
             r"accepted: torch.bfloat16, torch.float16",
         ),
-        (dict(newton_schulz_restarts=(0,)), ValueError, r"newton_schulz_restarts must be None or"),
         (
-            dict(newton_schulz_restarts=(1.5,)),
+            dict(newton_schulz_impl="gram", newton_schulz_restarts=(0,)),
+            ValueError,
+            r"newton_schulz_restarts must be None or",
+        ),
+        (
+            dict(newton_schulz_impl="gram", newton_schulz_restarts=2),
+            ValueError,
+            r"got 2 \(an int\); write a tuple of steps, e.g. \(2,\)",
+        ),
+        (
+            dict(newton_schulz_impl="gram", newton_schulz_restarts="25"),
+            ValueError,
+            r"got '25' \(a str\)",
+        ),
+        (
+            dict(newton_schulz_impl="gram", newton_schulz_restarts=(5,)),
+            ValueError,
+            r"names step 5, but the schedule has 5 steps",
+        ),
+        (
+            dict(newton_schulz_impl="gram", newton_schulz_restarts=()),
+            ValueError,
+            r"leaves steps 1..5 of the 5-step schedule without a restart",
+        ),
+        (
+            dict(newton_schulz_impl="gram", newton_schulz_restarts=(4,)),
+            ValueError,
+            r"leaves steps 1..4 of the 5-step schedule",
+        ),
+        (
+            dict(newton_schulz_restarts=(2,)),
+            ValueError,
+            r"applies to newton_schulz_impl='gram' \(or 'auto'\), not 'folded'",
+        ),
+        (
+            dict(newton_schulz_impl="gram", newton_schulz_restarts=(1.5,)),
             ValueError,
             r"a sequence of steps >= 1, got \(1.5,\)",
         ),
