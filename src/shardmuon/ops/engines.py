@@ -23,6 +23,7 @@ Adding an engine is one entry in :data:`ENGINES`.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -239,7 +240,7 @@ def check_restart_runs(restarts: Sequence[int] | None, steps: int) -> None:
     """Refuse a Gram restart schedule with a run of more than
     :data:`MAX_STEPS_WITHOUT_RESTART` steps without a restart (ValueError naming it)."""
     marks = [0, *effective_restarts(restarts, steps), steps]
-    runs = [b - a for a, b in zip(marks, marks[1:])]
+    runs = [b - a for a, b in itertools.pairwise(marks)]
     longest = max(runs)
     if longest > MAX_STEPS_WITHOUT_RESTART:
         start = marks[runs.index(longest)]
