@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -96,9 +97,13 @@ def measure_cpu_step(step: Callable[[], object], baseline_bytes: int) -> StepMem
     return StepMemory(peak_bytes=baseline_bytes + transient, transient_bytes=transient)
 
 
-def gemm_scratch_bytes(shapes: Iterable[tuple[int, int, int]]) -> int:
-    """The most bytes the GEMM library allocates, and frees, inside one bf16 GEMM of
-    Newton–Schulz on ``[batch, rows, cols]`` inputs, measured on this machine.
+def gemm_scratch_bytes(
+    shapes: Iterable[tuple[int, int, int]], dtypes: Iterable[torch.dtype] = (torch.bfloat16,)
+) -> int:
+    """The most bytes the GEMM library allocates, and frees, inside one GEMM of
+    Newton–Schulz on ``[batch, rows, cols]`` inputs in any of ``dtypes`` (an engine's GEMM
+    dtypes: its iteration dtype, Gram's chain dtype, fp32 for the guard), measured on this
+    machine.
 
     ``workspace_bytes`` bounds the buffers shardmuon allocates; a GEMM library may allocate
     scratch of its own inside each call (oneDNN packs its operands on AVX-512 CPUs: a few
@@ -108,10 +113,10 @@ def gemm_scratch_bytes(shapes: Iterable[tuple[int, int, int]]) -> int:
     iteration's three GEMMs (``out=`` given: the output is not counted).
     """
     worst = 0
-    for batch, rows, cols in set(shapes):
+    for (batch, rows, cols), dtype in itertools.product(set(shapes), set(dtypes)):
         small, large = sorted((rows, cols))
-        X = torch.randn(batch, small, large).bfloat16()
-        A = torch.empty(batch, small, small, dtype=torch.bfloat16)
+        X = torch.randn(batch, small, large).to(dtype)
+        A = torch.empty(batch, small, small, dtype=dtype)
         B = torch.empty_like(A)
         spare = torch.empty_like(X)
         calls = _iteration_gemms(X, A, B, spare)

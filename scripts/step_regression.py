@@ -1,0 +1,184 @@
+"""Time ``Muon.step`` at HEAD (this tree) against an earlier commit, interleaved in one run.
+
+    python scripts/step_regression.py REV [--rounds 5] [--steps 6] [--worlds 1,2]
+
+``REV`` is checked out into a temporary git worktree; each round runs one fresh process (or
+a gloo world of 2) per tree, in the order REV, HEAD, HEAD, REV, ... so that drift of the
+machine's speed falls on both alike. Every process uses one thread per rank and steps the
+same 12 matrices (4 x 512x512, 2 x 1536x512, 3 x [8, 512, 256], 3 x [8, 256, 512]; sharded
+``Shard(0)`` over the ranks at world 2), after two warm-up steps. Prints the median step
+time of each tree and the ratio HEAD / REV per world size; ``--json PATH`` keeps them.
+Run it before every stop that touches the step; the figures go in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = [(512, 512)] * 4 + [(1536, 512)] * 2 + [(8, 512, 256)] * 3 + [(8, 256, 512)] * 3
+MAX_WORLD = 2
+
+
+def _rank_main(rank: int, world: int, port: int, src: str, steps: int, out: str) -> None:
+    sys.path.insert(0, src)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    import shardmuon
+    from shardmuon import Muon
+
+    assert shardmuon.__file__.startswith(src), (shardmuon.__file__, src)
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(s, generator=g) * 0.02 for s in SHAPES]
+    grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(2)]
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+
+        def place(t):
+            return distribute_tensor(t, mesh, [Shard(0)])
+    else:
+
+        def place(t):
+            return t
+
+    params = [torch.nn.Parameter(place(t)) for t in tensors]
+    grads = [[place(t) for t in gs] for gs in grads]
+    opt = Muon(params, lr=0.02)
+    times = []
+    for i in range(steps + 2):
+        for p, gr in zip(params, grads[i % 2]):
+            p.grad = gr
+        if world > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        opt.step()
+        elapsed = time.perf_counter() - start
+        if i >= 2:
+            times.append(elapsed)
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, times)
+        times = [max(column) for column in zip(*gathered)]  # a step lasts as its slowest rank
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+
+
+def _run_once(src: Path, world: int, steps: int) -> float:
+    """Median step seconds of one fresh process (world 1) or gloo world on ``src``."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+        out = handle.name
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import step_regression as s; "
+        "s._spawn(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5])"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "scripts"), str(world), str(src), str(steps), out],
+        check=True,
+        env=env,
+        timeout=600,
+    )
+    times = json.loads(Path(out).read_text())
+    os.unlink(out)
+    return statistics.median(times)
+
+
+def _spawn(world: int, src: str, steps: int, out: str) -> None:
+    if world == 1:
+        _rank_main(0, 1, 0, src, steps, out)
+        return
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:  # a free port (this script runs on either tree)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_rank_main, args=(world, port, src, steps, out), nprocs=world, join=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rev", help="the commit to compare against (e.g. HEAD~1)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per process")
+    parser.add_argument("--worlds", default="1,2", help="world sizes, at most 2 (e.g. 1,2)")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if not worlds or any(not 1 <= w <= MAX_WORLD for w in worlds):
+        parser.error(f"--worlds takes sizes from 1 to {MAX_WORLD}, got {args.worlds!r}")
+    if not (1 <= args.rounds <= 50 and 1 <= args.steps <= 100):
+        parser.error("--rounds takes 1..50 and --steps 1..100")
+    sha = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", args.rev],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    results: dict = {"rev": sha, "shapes": SHAPES, "worlds": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "rev"
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), sha],
+            check=True,
+            capture_output=True,
+        )
+        try:
+            trees = {"rev": tree / "src", "head": ROOT / "src"}
+            for world in worlds:
+                samples: dict[str, list[float]] = {"rev": [], "head": []}
+                for r in range(args.rounds):
+                    order = ("rev", "head") if r % 2 == 0 else ("head", "rev")
+                    for name in order:
+                        samples[name].append(_run_once(trees[name], world, args.steps))
+                    print(
+                        f"world {world} round {r + 1}/{args.rounds}: "
+                        f"{sha} {samples['rev'][-1] * 1e3:.1f} ms, "
+                        f"HEAD {samples['head'][-1] * 1e3:.1f} ms",
+                        file=sys.stderr,
+                    )
+                rev_ms = statistics.median(samples["rev"]) * 1e3
+                head_ms = statistics.median(samples["head"]) * 1e3
+                ratios = [h / v for h, v in zip(samples["head"], samples["rev"])]
+                results["worlds"][world] = {
+                    "rev_ms": rev_ms,
+                    "head_ms": head_ms,
+                    "ratio": head_ms / rev_ms,
+                    "ratio_range": [min(ratios), max(ratios)],
+                }
+                print(
+                    f"world {world}: {sha} {rev_ms:.1f} ms, HEAD {head_ms:.1f} ms, "
+                    f"HEAD/{sha} = {head_ms / rev_ms:.3f} "
+                    f"(per round {min(ratios):.3f}-{max(ratios):.3f})"
+                )
+        finally:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                check=False,
+                capture_output=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
