@@ -104,12 +104,12 @@ class MuonConfig(BaseModel):
     split_replicas: bool = False
     rotate_owners: bool = True
     check_grads: Literal["first", "always", "never"] = "first"
-    newton_schulz_impl: Literal["folded", "per-matrix", "unfolded", "compiled", "gram", "auto"] = (
-        "folded"
-    )
+    # The engine table's names (shardmuon.ops.engines.ENGINES, and "auto").
+    newton_schulz_impl: str = "folded"
     newton_schulz_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     newton_schulz_restarts: list[int] | None = None
     newton_schulz_guard: bool | None = None
+    newton_schulz_preconditioner: Literal["aol"] | None = None
     warmup: bool = False
     # QK-clip (not Muon arguments: build_qk_clip reads them); None = off.
     qk_clip_threshold: float | None = None
@@ -173,6 +173,17 @@ class MuonConfig(BaseModel):
         if value is None or isinstance(value, str):
             return value
         return [tuple(t) for t in triples]
+
+    @field_validator("newton_schulz_impl")
+    @classmethod
+    def _engine(cls, value: str) -> str:
+        from shardmuon.ops.engines import NS_CHOICES
+
+        if value not in NS_CHOICES:
+            raise ValueError(
+                f"unknown newton_schulz_impl {value!r}; accepted: {', '.join(map(repr, NS_CHOICES))}"
+            )
+        return value
 
     @field_validator("max_in_flight", "offload_prefetch", "workspace_bytes", mode="before")
     @classmethod

@@ -115,9 +115,15 @@ class Muon(Optimizer):
         newton_schulz_dtype, newton_schulz_restarts, newton_schulz_guard: the iteration's
             dtype (``"bfloat16"`` default, ``"float16"``, ``"float32"``; fp32 normalisation,
             bf16 results; bf16 Gram runs its GEMMs in fp16 on CUDA, fp32 elsewhere), Gram's
-            restart steps (``None``: after 2, then every 3), and the
-            divergence guard (``None``: on for ``"gram"`` only; a device sync per call):
-            see ``ops/ns_engine.py``, ``ops/ns_guard.py``.
+            restart steps (``None``: after 2, then every 3; runs of more than 3 steps
+            without a restart are refused), and the divergence guard (``None``: on for
+            ``"gram"`` only; certifies sigma_max <= 1.15x the band; a device sync per call):
+            see ``ops/engines.py``, ``ops/ns_guard.py``. Every engine honours the dtype.
+        newton_schulz_preconditioner: ``None`` (default: dion's numerics) or ``"aol"``:
+            rescale each matrix's rows by its Gram matrix's absolute row sums (Turbo-Muon,
+            arXiv:2512.04632) from the product the first iteration computes anyway; with
+            ``newton_schulz_coefficients=None`` it runs the 4-step ``"aol"`` preset (one
+            iteration fewer). Every engine applies it.
         newton_schulz_impl: ``"folded"`` (default); ``"gram"`` (fewer FLOPs for wide
             matrices); ``"auto"`` (Gram for aspect >= 2.5 on CUDA, else folded);
             ``"per-matrix"`` (folded one matrix at a time: bits independent of the batch,
@@ -170,6 +176,7 @@ class Muon(Optimizer):
         newton_schulz_dtype: torch.dtype | str = "bfloat16",
         newton_schulz_restarts: Sequence[int] | None = None,
         newton_schulz_guard: bool | None = None,
+        newton_schulz_preconditioner: str | None = None,
         rotate_owners: bool = True,
         split_replicas: bool = False,
         warmup: bool = False,
@@ -186,11 +193,17 @@ class Muon(Optimizer):
         )  # fmt: skip
         self.__dict__.update(
             update_rms=update_rms,
-            coefficients=resolve_coefficients(newton_schulz_coefficients),
+            coefficients=resolve_coefficients(
+                # AOL's own 4-step schedule unless coefficients are given.
+                "aol"
+                if newton_schulz_coefficients is None and newton_schulz_preconditioner == "aol"
+                else newton_schulz_coefficients
+            ),
             newton_schulz_impl=newton_schulz_impl,
             newton_schulz_dtype=newton_schulz_dtype,
             newton_schulz_restarts=newton_schulz_restarts,
             newton_schulz_guard=newton_schulz_guard,
+            newton_schulz_preconditioner=newton_schulz_preconditioner,
             max_in_flight=max_in_flight,
             workspace_bytes=workspace_bytes,
             offload=offload,
@@ -389,6 +402,7 @@ class Muon(Optimizer):
             resolve_ns_dtype(self.newton_schulz_dtype),
             self.newton_schulz_restarts,
             guard=self.newton_schulz_guard,
+            preconditioner=self.newton_schulz_preconditioner,
         )
 
     def _engine_cost(self) -> EngineCost:
@@ -400,6 +414,7 @@ class Muon(Optimizer):
             guard=self.newton_schulz_guard,
             coefficients=tuple(map(tuple, self.coefficients)),
             device_type=self._device().type,
+            preconditioner=self.newton_schulz_preconditioner,
         )
 
     def _context(self) -> StepContext:
@@ -499,6 +514,8 @@ class Muon(Optimizer):
         """Every group's ranks agree on batches, settings and grads (see ``runtime/agreement.py``)."""
         settings = self._settings(AGREED_SETTINGS)
         settings["coefficients"] = tuple(map(tuple, self.coefficients))
+        # One spelling per value: "float32" and torch.float32 are the same setting.
+        settings["newton_schulz_dtype"] = str(resolve_ns_dtype(self.newton_schulz_dtype))
         schedule = step_schedule(
             self._plan.batches, self.workspace_bytes, self.max_in_flight, self._plan.ns_cost
         )

@@ -22,6 +22,7 @@ from shardmuon.ops.engines import (
     resolve_ns_dtype,
     resolve_restarts,
 )
+from shardmuon.ops.newton_schulz import check_preconditioner
 from shardmuon.ops.update import ADJUST_LR_CHOICES
 
 __all__ = [
@@ -212,6 +213,7 @@ OPTIMIZER_SETTINGS = (
     "newton_schulz_dtype",
     "newton_schulz_restarts",
     "newton_schulz_guard",
+    "newton_schulz_preconditioner",
     "max_in_flight",
     "workspace_bytes",
     "offload",
@@ -256,7 +258,13 @@ def check_optimizer_settings(
         raise ValueError(f"offload_prefetch must be an int >= 1, got {prefetch!r}")
     check_int("offload_prefetch", prefetch, 1, "an int >= 1")
     _check_choice("newton_schulz_impl", settings["newton_schulz_impl"], ns_impls)
-    resolve_ns_dtype(settings["newton_schulz_dtype"])
+    dtype = resolve_ns_dtype(settings["newton_schulz_dtype"])
+    for engine in engines_of(settings["newton_schulz_impl"]):
+        if dtype not in engine.dtypes:
+            raise ValueError(
+                f"newton_schulz_impl={engine.name!r} does not run in {dtype}; it runs in "
+                f"{', '.join(map(str, engine.dtypes))}"
+            )
     restarts = resolve_restarts(settings["newton_schulz_restarts"], len(settings["coefficients"]))
     impl = settings["newton_schulz_impl"]
     if restarts is not None and not any(e.takes_restarts for e in engines_of(impl)):
@@ -266,6 +274,7 @@ def check_optimizer_settings(
         )
     if any(e.takes_restarts for e in engines_of(impl)):
         check_restart_runs(restarts, len(settings["coefficients"]))
+    check_preconditioner(settings["newton_schulz_preconditioner"])
     if settings["newton_schulz_guard"] not in (None, True, False):
         raise TypeError(
             f"newton_schulz_guard must be None, True or False, got {settings['newton_schulz_guard']!r}"

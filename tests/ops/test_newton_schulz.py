@@ -187,7 +187,7 @@ def test_deepseek_v4_singular_values(shape: tuple[int, int]) -> None:
 
 def test_preset_lengths() -> None:
     lengths = {name: len(coeffs) for name, coeffs in NS_PRESETS.items()}
-    assert lengths == {"dion": 5, "keller": 5, "deepseek-v4": 10, "polar-express": 5}
+    assert lengths == {"dion": 5, "keller": 5, "deepseek-v4": 10, "polar-express": 5, "aol": 4}
     for name, coeffs in NS_PRESETS.items():
         assert resolve_coefficients(name) == coeffs
         assert all(len(t) == 3 and all(math.isfinite(v) for v in t) for t in coeffs)

@@ -97,7 +97,7 @@ BAD_VALUES = [
     (
         "newton_schulz_coefficients",
         "quintic",
-        r"unknown Newton-Schulz preset 'quintic'; accepted presets: deepseek-v4, dion, keller, polar-express",
+        r"unknown Newton-Schulz preset 'quintic'; accepted presets: aol, deepseek-v4, dion, keller, polar-express",
     ),
     ("newton_schulz_coefficients", [], r"newton_schulz_coefficients is empty"),
     (
@@ -122,7 +122,7 @@ BAD_VALUES = [
     (
         "newton_schulz_impl",
         "fast",
-        r"Input should be 'folded', 'per-matrix', 'unfolded', 'compiled', 'gram' or 'auto'",
+        r"unknown newton_schulz_impl 'fast'; accepted: 'folded', 'unfolded', 'compiled', 'per-matrix', 'gram', 'auto'",
     ),
     ("split_replicas", "maybe", r"Input should be a valid boolean"),
     ("flatten", 2, r"Input should be a valid boolean"),

@@ -201,8 +201,8 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--coefficients",
         choices=sorted(NS_PRESETS),
-        default="dion",
-        help="Newton-Schulz coefficient preset",
+        default=None,
+        help="Newton-Schulz coefficient preset (default: dion; 'aol' with --ns-preconditioner aol)",
     )
     add_hidden_alias(p, "--preset", "coefficients", choices=sorted(NS_PRESETS))
     p.add_argument(
@@ -217,6 +217,13 @@ def add_parser(subparsers) -> None:
         choices=tuple(DTYPES),
         default=None,
         help="Newton-Schulz iteration dtype of every shardmuon impl (default: bf16)",
+    )
+    p.add_argument(
+        "--ns-preconditioner",
+        choices=("aol",),
+        default=None,
+        help="Newton-Schulz preconditioner of every shardmuon impl: 'aol' (Turbo-Muon's row "
+        "scaling, then the 4-step 'aol' schedule unless --coefficients is given; default: none)",
     )
     p.add_argument(
         "--offload",
@@ -300,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
         mesh_shape=plan.mesh_shape if plan.mesh_shape else None,
         steps=args.steps,
         impls=tuple(impls),
-        coefficients=args.coefficients,
+        coefficients=args.coefficients or ("aol" if args.ns_preconditioner == "aol" else "dion"),
         lr=args.lr,
         seed=args.seed,
         progress=not args.no_progress,
@@ -308,12 +315,14 @@ def run(args: argparse.Namespace) -> int:
         ns_repeats=args.ns_repeats,
         ns_impl=args.ns_impl,
         ns_dtype=args.ns_dtype,
+        ns_preconditioner=args.ns_preconditioner,
     )
-    given = " ".join(
-        f"{flag} {value}"
-        for flag, value in (("--ns-impl", args.ns_impl), ("--ns-dtype", args.ns_dtype))
-        if value is not None
+    flags = (
+        ("--ns-impl", args.ns_impl),
+        ("--ns-dtype", args.ns_dtype),
+        ("--ns-preconditioner", args.ns_preconditioner),
     )
+    given = " ".join(f"{flag} {value}" for flag, value in flags if value is not None)
     kept, duplicates = drop_duplicate_configs(impls, cfg.ns_options(), given)
     if duplicates:
         impls, skipped = kept, {**skipped, **duplicates}

@@ -51,15 +51,19 @@ class StepConfig:
     # Newton-Schulz engine of every shardmuon impl (``None``: each impl's own).
     ns_impl: str | None = None
     ns_dtype: str | None = None
+    ns_preconditioner: str | None = None
 
     def ns_options(self) -> dict[str, str]:
-        """The ``Muon`` keywords that ``ns_impl`` / ``ns_dtype`` set (``--ns-impl/--ns-dtype``)."""
+        """The ``Muon`` keywords that ``ns_impl`` / ``ns_dtype`` / ``ns_preconditioner`` set
+        (``--ns-impl``, ``--ns-dtype``, ``--ns-preconditioner``)."""
         options = {}
         if self.ns_impl is not None:
             options["newton_schulz_impl"] = self.ns_impl
         if self.ns_dtype is not None:
             dtype = DTYPES[self.ns_dtype]
             options["newton_schulz_dtype"] = next(k for k, v in NS_DTYPES.items() if v == dtype)
+        if self.ns_preconditioner is not None:
+            options["newton_schulz_preconditioner"] = self.ns_preconditioner
         return options
 
 

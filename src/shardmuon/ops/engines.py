@@ -6,7 +6,8 @@ one normalisation (fp32 norm, overflow-safe, non-finite matrices zeroed and flag
 own iteration in the requested dtype, the result in that dtype. An entry says what the
 engine is and costs:
 
-* ``run(G[B, m, n], coefficients, eps, dtype=, restarts=, overwrite_input=)`` ->
+* ``run(G[B, m, n], coefficients, eps, dtype=, restarts=, overwrite_input=,
+  preconditioner=)`` ->
   :class:`~shardmuon.ops.normalize.Normalized` (result, non-finite mask);
 * ``dtypes`` it runs in (all three here: none silently runs another);
 * ``batch_invariant``: a matrix's bits do not depend on the others in its call;
@@ -116,21 +117,37 @@ def _gram_bytes(count: int, m: int, n: int, size: int, chain: int) -> int:
 
 
 def _run_standard(iterate):
-    def run(G, coefficients, eps, *, dtype, restarts=None, overwrite_input=False) -> Normalized:
+    def run(
+        G, coefficients, eps, *, dtype, restarts=None, overwrite_input=False, preconditioner=None
+    ) -> Normalized:
         return orthogonalize_with(
-            iterate, G, coefficients, eps, dtype=dtype, overwrite_input=overwrite_input
+            iterate,
+            G,
+            coefficients,
+            eps,
+            dtype=dtype,
+            overwrite_input=overwrite_input,
+            preconditioner=preconditioner,
         )
 
     return run
 
 
-def _run_per_matrix(G, coefficients, eps, *, dtype, restarts=None, overwrite_input=False):
-    return orthogonalize_per_matrix(G, coefficients, eps, dtype=dtype)
+def _run_per_matrix(
+    G, coefficients, eps, *, dtype, restarts=None, overwrite_input=False, preconditioner=None
+) -> Normalized:
+    return orthogonalize_per_matrix(
+        G, coefficients, eps, dtype=dtype, preconditioner=preconditioner
+    )
 
 
-def _run_gram(G, coefficients, eps, *, dtype, restarts=None, overwrite_input=False):
+def _run_gram(
+    G, coefficients, eps, *, dtype, restarts=None, overwrite_input=False, preconditioner=None
+) -> Normalized:
     iterate = functools.partial(iterate_gram, restarts=restarts)
-    return orthogonalize_with(iterate, G, coefficients, eps, dtype=dtype)
+    return orthogonalize_with(
+        iterate, G, coefficients, eps, dtype=dtype, preconditioner=preconditioner
+    )
 
 
 ENGINES: dict[str, Engine] = {

@@ -34,7 +34,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from shardmuon.ops.newton_schulz import Coefficients, iterate_folded, orthogonalize_with
+from shardmuon.ops.newton_schulz import (
+    Coefficients,
+    aol_rescale_,
+    iterate_folded,
+    orthogonalize_with,
+)
 
 __all__ = [
     "default_restarts",
@@ -76,6 +81,7 @@ def iterate_gram(
     *,
     restarts: Sequence[int] | None = None,
     gemm_dtype: torch.dtype | None = None,
+    preconditioner: str | None = None,
 ) -> Tensor:
     """The Gram iteration on a normalised wide ``X[B, m, n]`` (``m <= n``), ``X`` held in
     its dtype; returns ``[B, m, n]`` in that dtype. Square matrices run the folded one.
@@ -86,7 +92,7 @@ def iterate_gram(
     """
     m, n = X.shape[-2:]
     if m == n:
-        return iterate_folded(X, coefficients)
+        return iterate_folded(X, coefficients, preconditioner)
     dtype = X.dtype
     steps = len(coefficients)
     restart_after = frozenset(default_restarts(steps) if restarts is None else restarts)
@@ -95,6 +101,8 @@ def iterate_gram(
     # ``chain``; the cast is a no-op when the two agree.
     base = X.to(chain)
     R = torch.bmm(base, base.mT)
+    if preconditioner == "aol":
+        aol_rescale_(base, R)  # the normalised input is the iteration's own
     Q: Tensor | None = None  # None: the identity
     for k, (a, b, c) in enumerate(coefficients, start=1):
         P = torch.baddbmm(R, R, R, beta=b, alpha=c)
@@ -119,6 +127,7 @@ def newton_schulz_gram(
     restarts: Sequence[int] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     gemm_dtype: torch.dtype | None = None,
+    preconditioner: str | None = None,
 ) -> Tensor:
     """Orthogonalize each matrix of ``G[..., m, n]`` by the Gram iteration; ``dtype`` out.
 
@@ -127,7 +136,9 @@ def newton_schulz_gram(
     transposed so that the Gram side is the short one.
     """
     iterate = functools.partial(iterate_gram, restarts=restarts, gemm_dtype=gemm_dtype)
-    return orthogonalize_with(iterate, G, coefficients, eps, dtype=dtype).X
+    return orthogonalize_with(
+        iterate, G, coefficients, eps, dtype=dtype, preconditioner=preconditioner
+    ).X
 
 
 def standard_flops(m: int, n: int, steps: int) -> int:

@@ -30,7 +30,10 @@ __all__ = [
     "NS_PRESETS",
     "POLAR_EXPRESS_PAPER",
     "POLAR_EXPRESS_SAFETY",
+    "PRECONDITIONERS",
     "Coefficients",
+    "aol_rescale_",
+    "check_preconditioner",
     "compiled_iterate_folded",
     "iterate_folded",
     "iterate_unfolded",
@@ -75,6 +78,14 @@ POLAR_EXPRESS_PAPER: Coefficients = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 POLAR_EXPRESS_SAFETY = 1.02
+# Turbo-Muon's 4-step schedule for an AOL-preconditioned input (Boissin, Massena, Mamalet,
+# Serrurier, arXiv:2512.04632; the set published with thib-s/flash-newton-schulz).
+_TURBO_MUON: Coefficients = (
+    (4.6051, -9.6552, 5.6769),
+    (4.7505, -6.0861, 2.1790),
+    (2.7763, -2.3190, 0.5523),
+    (2.4231, -2.2861, 0.8193),
+)
 
 
 def with_input_scaled(coefficients: Coefficients, scale: float) -> Coefficients:
@@ -95,6 +106,11 @@ NS_PRESETS: dict[str, Coefficients] = {
     "deepseek-v4": _DEEPSEEK_V4,
     # The paper's schedule with the references' 1.02 normalisation margin folded in.
     "polar-express": with_input_scaled(POLAR_EXPRESS_PAPER, POLAR_EXPRESS_SAFETY),
+    # Four steps after AOL: what ``newton_schulz_preconditioner="aol"`` runs by default.
+    # Chosen by scripts/aol_error.py (docs/benchmarks.md, "AOL"): the paper's set, against
+    # dion's first or last four steps and Keller's (1.4-11x farther on some input kind) and
+    # a refit of the paper's set to these inputs (at most 3% closer).
+    "aol": _TURBO_MUON,
 }
 DEFAULT_PRESET = "dion"
 
@@ -171,11 +187,13 @@ def orthogonalize_with(
     *,
     dtype: torch.dtype = torch.bfloat16,
     overwrite_input: bool = False,
+    preconditioner: str | None = None,
 ) -> Normalized:
     """The frame every engine shares: ``G[..., m, n]`` turned wide (``m <= n``) and 3-D,
     normalised once (:func:`shardmuon.ops.normalize.normalize`: fp32 norm, overflow-safe,
     non-finite matrices zeroed), ``iterate(X[B, m, n], coefficients)`` run on it in
-    ``dtype``, and the result put back in ``G``'s shape.
+    ``dtype`` (with ``preconditioner="aol"``: :func:`aol_rescale_` on its first Gram
+    matrix), and the result put back in ``G``'s shape.
 
     Returns the result (``dtype``, ``[..., m, n]``) and the ``[B]`` mask of matrices that
     held a non-finite entry (their result is zero). With ``overwrite_input=True`` a
@@ -191,11 +209,43 @@ def orthogonalize_with(
     X, shape = _as_batch3d(X)
     in_place = overwrite_input and X.dtype == dtype and X.is_contiguous() and not transposed
     X, nonfinite = normalize(X, eps, dtype, out=X if in_place else None)
-    X = iterate(X, coeffs).reshape(shape)
+    X = iterate(X, coeffs, preconditioner=check_preconditioner(preconditioner)).reshape(shape)
     return Normalized(X.mT if transposed else X, nonfinite)
 
 
-def iterate_folded(X: Tensor, coefficients: Coefficients) -> Tensor:
+PRECONDITIONERS = (None, "aol")
+
+
+def check_preconditioner(preconditioner: str | None) -> str | None:
+    """``None`` or ``"aol"``; ValueError naming ``newton_schulz_preconditioner`` else."""
+    if preconditioner not in PRECONDITIONERS:
+        raise ValueError(
+            f"unknown newton_schulz_preconditioner {preconditioner!r}; accepted: None, 'aol'"
+        )
+    return preconditioner
+
+
+def aol_rescale_(X: Tensor, A: Tensor) -> None:
+    """AOL preconditioning, in place: ``X <- D X`` and ``A <- D A D`` with
+    ``D = diag((sum_j |A_ij|)^-1/2)``, where ``A = X X^T`` (``X[..., m, n]``, ``m <= n``).
+
+    ``||D X||_2 <= 1`` (the row sums of ``|A|`` bound its largest eigenvalue after the
+    diagonal scaling: Prach & Lampert's almost-orthogonal layers), and the scaling evens
+    the rows out, so the iteration starts better conditioned than from the Frobenius
+    normalisation (Boissin et al., Turbo-Muon, arXiv:2512.04632). The scaled Gram matrix
+    is the first iteration's ``A``: no GEMM is added. ``D`` is computed in fp32; ``X`` and
+    ``A`` are rounded once each. A zero row stays zero.
+    """
+    wide = torch.float64 if A.dtype == torch.float64 else torch.float32
+    row_sums = torch.linalg.vector_norm(A, ord=1, dim=-1, dtype=wide)
+    d = row_sums.clamp_min_(torch.finfo(wide).tiny).rsqrt_()
+    X.mul_(d.unsqueeze(-1))
+    A.mul_(d.unsqueeze(-1) * d.unsqueeze(-2))
+
+
+def iterate_folded(
+    X: Tensor, coefficients: Coefficients, preconditioner: str | None = None
+) -> Tensor:
     """The folded quintic on a normalised wide ``X[B, m, n]`` (``m <= n``), in ``X``'s dtype.
 
     For each ``(a, b, c)``: ``A = X X^T``; ``B = b A + c A A``; ``X = a X + B X``, the last
@@ -214,8 +264,10 @@ def iterate_folded(X: Tensor, coefficients: Coefficients) -> Tensor:
     A = X.new_empty(gram_shape)
     B = X.new_empty(gram_shape)
     spare = torch.empty_like(X)
-    for a, b, c in coefficients:
+    for step, (a, b, c) in enumerate(coefficients):
         matmul(X, X.mT, out=A)
+        if step == 0 and preconditioner == "aol":
+            aol_rescale_(X, A)
         matmul_add(A, A, A, beta=b, alpha=c, out=B)
         matmul_add(X, B, X, beta=a, alpha=1.0, out=spare)
         X, spare = spare, X
@@ -223,11 +275,15 @@ def iterate_folded(X: Tensor, coefficients: Coefficients) -> Tensor:
     return X.unsqueeze(0) if single else X
 
 
-def iterate_unfolded(X: Tensor, coefficients: Coefficients) -> Tensor:
+def iterate_unfolded(
+    X: Tensor, coefficients: Coefficients, preconditioner: str | None = None
+) -> Tensor:
     """The textbook quintic (dion's recipe) on a normalised wide ``X[B, m, n]``: ``A @ A``
     and ``B @ X`` rounded to ``X``'s dtype before the scale-and-adds."""
-    for a, b, c in coefficients:
+    for step, (a, b, c) in enumerate(coefficients):
         A = X @ X.mT
+        if step == 0 and preconditioner == "aol":
+            aol_rescale_(X, A)  # the normalised input is the iteration's own
         B = b * A + c * (A @ A)
         X = a * X + B @ X
     return X
@@ -240,6 +296,7 @@ def newton_schulz(
     *,
     overwrite_input: bool = False,
     dtype: torch.dtype = torch.bfloat16,
+    preconditioner: str | None = None,
 ) -> Tensor:
     """Orthogonalize each matrix of ``G[..., m, n]`` in bfloat16 (or ``dtype``: fp16,
     fp32); returns ``[..., m, n]`` in that dtype.
@@ -258,7 +315,13 @@ def newton_schulz(
     buffers (its contents are lost): one bf16 copy less, same bits.
     """
     return orthogonalize_with(
-        iterate_folded, G, coefficients, eps, dtype=dtype, overwrite_input=overwrite_input
+        iterate_folded,
+        G,
+        coefficients,
+        eps,
+        dtype=dtype,
+        overwrite_input=overwrite_input,
+        preconditioner=preconditioner,
     ).X
 
 
@@ -268,17 +331,19 @@ def orthogonalize_per_matrix(
     eps: float = 1e-8,
     *,
     dtype: torch.dtype = torch.bfloat16,
+    preconditioner: str | None = None,
 ) -> Normalized:
     """:func:`orthogonalize_with` the folded iteration, one matrix of ``G[..., m, n]`` at a
     time (normalisation included): the result and the ``[B]`` non-finite mask."""
     _check_matrix(G)
     stack, shape = _as_batch3d(G)
+    options = dict(dtype=dtype, preconditioner=preconditioner)
     if stack.size(0) <= 1:
-        return orthogonalize_with(iterate_folded, G, coefficients, eps, dtype=dtype)
+        return orthogonalize_with(iterate_folded, G, coefficients, eps, **options)
     out = torch.empty(stack.shape, dtype=dtype, device=G.device)
     flags = []
     for i in range(stack.size(0)):
-        one = orthogonalize_with(iterate_folded, stack[i : i + 1], coefficients, eps, dtype=dtype)
+        one = orthogonalize_with(iterate_folded, stack[i : i + 1], coefficients, eps, **options)
         out[i] = one.X[0]
         flags.append(one.nonfinite)
     return Normalized(out.reshape(shape), torch.cat(flags))
@@ -306,14 +371,16 @@ def newton_schulz_per_matrix(
 _compiled_iterate = None
 
 
-def compiled_iterate_folded(X: Tensor, coefficients: Coefficients) -> Tensor:
+def compiled_iterate_folded(
+    X: Tensor, coefficients: Coefficients, preconditioner: str | None = None
+) -> Tensor:
     """:func:`iterate_folded` through ``torch.compile`` (compiled on first use, per shape
     and dtype). Inductor may fuse and reorder, so results are close to, not bitwise equal
     to, the eager iteration; the first call of each shape pays the compilation (seconds)."""
     global _compiled_iterate
     if _compiled_iterate is None:
         _compiled_iterate = torch.compile(iterate_folded, dynamic=False)
-    return _compiled_iterate(X, coefficients)
+    return _compiled_iterate(X, coefficients, preconditioner)
 
 
 def newton_schulz_compiled(

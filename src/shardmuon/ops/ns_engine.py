@@ -71,6 +71,7 @@ class EngineCost:
     guard: bool | None = None
     coefficients: Coefficients = field(default_factory=lambda: resolve_coefficients(None))
     device_type: str = "cpu"
+    preconditioner: str | None = None
 
     def _candidates(self, rows: int, cols: int) -> list[str]:
         if self.impl != "auto":
@@ -99,6 +100,9 @@ class EngineCost:
         rare = (BF16 + FP32) * m * n + 2 * FP32 * count
         iteration = engine.iteration_bytes(count, m, n, size, chain)
         cast = (size * total + BF16 * total) if size != BF16 else 0
+        if self.preconditioner == "aol":
+            # The fp32 outer product of the row scales, beside the iteration's buffers.
+            iteration += FP32 * small + 2 * FP32 * count * m
         peak = max(division, rare, iteration, cast)
         if guard_enabled(name, self.guard):
             # A = O O^T in bf16 and fp32, its scaled and cleaned copies, the eigensolver's
@@ -136,8 +140,10 @@ class Orthogonalizer:
         dtype: torch.dtype = torch.bfloat16,
         restarts: Sequence[int] | None = None,
         guard: bool | None = None,
+        preconditioner: str | None = None,
     ) -> None:
         self.impl, self.dtype, self.restarts = impl, dtype, restarts
+        self.preconditioner = preconditioner
         self.guards = {e.name: guard_enabled(e.name, guard) for e in engines_of(impl)}
         self._nonfinite: list[Tensor] = []
         self._verdicts: list[GuardVerdict] = []
@@ -159,13 +165,19 @@ class Orthogonalizer:
 
         def run(G: Tensor) -> Tensor:
             result = engine.run(
-                G, coeffs, eps, dtype=self.dtype, restarts=self.restarts, overwrite_input=in_place
+                G,
+                coeffs,
+                eps,
+                dtype=self.dtype,
+                restarts=self.restarts,
+                overwrite_input=in_place,
+                preconditioner=self.preconditioner,
             )
             self._nonfinite.append(result.nonfinite)
             return result.X.to(torch.bfloat16)
 
         if not guard:
             return run(X)
-        out, verdict = guarded(X, run, coeffs, eps)
+        out, verdict = guarded(X, run, coeffs, eps, preconditioner=self.preconditioner)
         self._verdicts.append(verdict)
         return out

@@ -120,9 +120,11 @@ def guarded(
     coefficients: str | Coefficients | None,
     eps: float,
     slack: float = GUARD_SLACK,
+    preconditioner: str | None = None,
 ) -> tuple[Tensor, GuardVerdict]:
     """``orthogonalize(G)`` with every result checked; diverged matrices recomputed, one at
-    a time, by the standard iteration in fp32 (cast to the result's dtype).
+    a time, by the standard iteration in fp32 (cast to the result's dtype), with the same
+    ``preconditioner``.
 
     ``G[B, m, n]`` is left intact by ``orthogonalize``. Returns the result (written in
     place on a recompute) and the verdict.
@@ -139,7 +141,12 @@ def guarded(
         inputs = G.reshape(-1, *G.shape[-2:])
         for i in bad.nonzero().flatten().tolist():
             safe = orthogonalize_with(
-                iterate_folded, inputs[i : i + 1].float(), coefficients, eps, dtype=torch.float32
+                iterate_folded,
+                inputs[i : i + 1].float(),
+                coefficients,
+                eps,
+                dtype=torch.float32,
+                preconditioner=preconditioner,
             )
             flat[i] = safe.X[0].to(flat.dtype)
         out = flat.reshape(out.shape)  # a view of ``out`` unless reshape had to copy

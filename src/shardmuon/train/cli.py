@@ -12,8 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
+import torch
+
+from shardmuon.bench.common import DTYPES, fp16_cpu_note
 from shardmuon.harness.cli_support import (
     LAYERS_HELP,
     ArgumentParser,
@@ -34,6 +38,7 @@ from shardmuon.harness.cli_support import (
 from shardmuon.harness.models import MODEL_PRESETS
 from shardmuon.harness.parallel import parse_mesh_shape, plan_layout
 from shardmuon.harness.processes import NPROC_RULE
+from shardmuon.ops.engines import NS_CHOICES
 from shardmuon.ops.newton_schulz import NS_PRESETS
 from shardmuon.train.config import OPTIMIZERS, TRAIN_LAYOUTS, TrainConfig, TrainResult
 from shardmuon.train.resume import RESUME_FIXED, adopt_checkpoint_settings
@@ -92,6 +97,28 @@ def add_parser(subparsers) -> None:
         choices=sorted(NS_PRESETS),
         default=None,
         help=_resume_fixed_help("Newton-Schulz coefficient preset", defaults.coefficients),
+    )
+    train.add_argument(
+        "--ns-impl",
+        choices=NS_CHOICES,
+        default=None,
+        help=_resume_fixed_help("Newton-Schulz engine", defaults.ns_impl),
+    )
+    train.add_argument(
+        "--ns-dtype",
+        choices=tuple(DTYPES),
+        default=None,
+        help=_resume_fixed_help("Newton-Schulz iteration dtype", defaults.ns_dtype),
+    )
+    train.add_argument(
+        "--ns-preconditioner",
+        choices=("aol",),
+        default=None,
+        help=_resume_fixed_help(
+            "Newton-Schulz preconditioner ('aol': Turbo-Muon's row scaling, then the 4-step "
+            "'aol' coefficients unless --coefficients is given)",
+            "none",
+        ),
     )
     train.add_argument(
         "--update-rms",
@@ -285,6 +312,12 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         quiet=args.quiet,
         **{name: getattr(args, name) for name in given},
     )
+    if config.ns_preconditioner == "aol" and "coefficients" not in given:
+        config = replace(config, coefficients="aol")
+    if config.ns_dtype == "fp16" and not torch.cuda.is_available():
+        slow = fp16_cpu_note("--ns-dtype fp16")
+        if slow is not None:
+            note(slow)
     if config.resume and config.resume_dion:
         raise ValueError("give either --resume or --resume-dion, not both")
     if args.qk_clip_alpha is not None and args.qk_clip_threshold is None:

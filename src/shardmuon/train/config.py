@@ -48,6 +48,10 @@ class TrainConfig:
     num_layers: int | None = 2
     optimizer: str = "muon"
     coefficients: str = "dion"
+    # The Newton-Schulz engine (shardmuon.ops.engines), its dtype and preconditioner.
+    ns_impl: str = "folded"
+    ns_dtype: str = "bf16"
+    ns_preconditioner: str | None = None
     update_rms: float = 0.2
     lr: float = 0.01
     weight_decay: float = 0.0

@@ -111,6 +111,7 @@ def build_optimizer(
             eps=1e-8,
             weight_decay=config.weight_decay,
         )
+    from shardmuon.bench.common import DTYPES
     from shardmuon.config import MuonConfig
     from shardmuon.config import build_optimizer as build_muon
     from shardmuon.harness.models import attention_dims
@@ -125,6 +126,9 @@ def build_optimizer(
         adjust_lr="rms_norm",
         update_rms=config.update_rms,
         newton_schulz_coefficients=config.coefficients,
+        newton_schulz_impl=config.ns_impl,
+        newton_schulz_dtype=str(DTYPES[config.ns_dtype]).removeprefix("torch."),
+        newton_schulz_preconditioner=config.ns_preconditioner,
         offload=config.offload,
     )
     return build_muon(

@@ -34,6 +34,9 @@ __all__ = [
 RESUME_FIXED: tuple[str, ...] = (
     "optimizer",
     "coefficients",
+    "ns_impl",
+    "ns_dtype",
+    "ns_preconditioner",
     "update_rms",
     "lr",
     "weight_decay",
