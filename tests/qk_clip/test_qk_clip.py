@@ -146,15 +146,17 @@ def test_a_one_layer_model_rerun_records_at_most_tau() -> None:
 @pytest.mark.parametrize("alpha", [0.5, 0.25])
 def test_scaled_rows_follow_the_rule_as_written(kv_heads, alpha) -> None:
     """Query head h: gamma_h ** alpha; key head j: (min over its query heads of gamma) **
-    (1 - alpha); gamma = tau / S for S > tau, else 1 (S from the fp64 reference); values and
-    other layers' rows untouched."""
-    tau = 9.0
+    (1 - alpha); gamma = tau' / S for S > tau', else 1 (S from the fp64 reference; tau' the
+    threshold less fp32's rounding slack, 2^-16); values and other layers' rows untouched."""
+    threshold = 9.0
+    tau = threshold * (1 - 2**-16)
     model = make_model("llama-bias", kv_heads=kv_heads)
-    clip = QKClip(model, threshold=tau, alpha=alpha)
+    clip = QKClip(model, threshold=threshold, alpha=alpha)
     try:
         old = {n: p.detach().double().clone() for n, p in model.named_parameters()}
         reference, _ = record(model, clip, tokens())
-        clip.apply()
+        stats = clip.apply()
+        assert {layer.target for layer in stats.layers} == {tau}
         for layer in clip.layers:
             S = reference[layer.name]
             gamma = torch.where(tau < S, tau / S, torch.ones_like(S))
@@ -176,9 +178,10 @@ def test_scaled_rows_follow_the_rule_as_written(kv_heads, alpha) -> None:
 
 
 def test_qk_norm_layers_scale_the_gains_by_the_layers_smallest_gamma() -> None:
-    tau, alpha = 8.0, 0.5
+    threshold, alpha = 8.0, 0.5
+    tau = threshold * (1 - 2**-16)  # less fp32's rounding slack
     model = make_model("qwen3", kv_heads=2)
-    clip = QKClip(model, threshold=tau, alpha=alpha)
+    clip = QKClip(model, threshold=threshold, alpha=alpha)
     try:
         old = {n: p.detach().clone() for n, p in model.named_parameters()}
         reference, _ = record(model, clip, tokens())
@@ -193,18 +196,6 @@ def test_qk_norm_layers_scale_the_gains_by_the_layers_smallest_gamma() -> None:
             for proj in ("q_proj", "k_proj"):  # the norm would undo a row scale
                 name = f"{layer.name}.{proj}.weight"
                 assert torch.equal(params[name], old[name])
-    finally:
-        clip.remove()
-
-
-def test_bf16_weights_keep_the_bound_to_bf16_rounding() -> None:
-    model = make_model("llama", kv_heads=2).to(torch.bfloat16)
-    clip = QKClip(model, threshold=6.0)
-    try:
-        _, inputs = record(model, clip, tokens())
-        clip.apply()
-        for layer in clip.layers:
-            assert (reference_max_logits(layer, inputs[layer.name]) <= 6.0 * 1.02).all()
     finally:
         clip.remove()
 

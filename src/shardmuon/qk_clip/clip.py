@@ -27,7 +27,9 @@ from shardmuon.qk_clip.logits import (
     head_gammas,
     key_factors,
     query_factors,
+    rounding_slack,
     row_factors,
+    unit_roundoff,
 )
 from shardmuon.qk_clip.recording import (
     LayerRecorder,
@@ -44,15 +46,19 @@ __all__ = ["LayerClipStats", "QKClip", "QKClipStats", "check_qk_clip_settings"]
 @dataclass(frozen=True)
 class LayerClipStats:
     """One layer after :meth:`QKClip.apply`: the max logit of each query head this step
-    (over every rank; ``-inf``: none seen), how many heads were above the threshold, the
-    smallest gamma (1.0: nothing clipped), and each head's max logit on the same inputs with
-    the scaled weights (``S_h`` times its query and key factors: at most the threshold)."""
+    (over every rank; ``-inf``: none seen), how many heads were above the target, the
+    smallest gamma (1.0: nothing clipped), each head's max logit on the same inputs with
+    the scaled weights (``S_h`` times its query and key factors: at most the target), and
+    the target: the threshold less the rounding slack of the layer's dtypes
+    (:func:`~shardmuon.qk_clip.logits.rounding_slack`), so that the logits the rounded
+    weights give stay at or below the threshold itself."""
 
     name: str
     max_logits: tuple[float, ...]
     clipped_heads: int
     min_gamma: float
     max_logits_after: tuple[float, ...] = ()
+    target: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -159,7 +165,9 @@ class QKClip:
     Args:
         model: the model; its attention layers are found by
             :func:`~shardmuon.qk_clip.discovery.find_attention_layers`.
-        threshold: tau, the largest max logit a head may keep (default 100, Kimi K2's).
+        threshold: tau, the largest max logit a head may keep (default 100, Kimi K2's); a
+            clipped head is aimed a rounding slack below it (fp32 2^-16, bf16 1/32:
+            :func:`~shardmuon.qk_clip.logits.rounding_slack`) so that it ends at or below.
         alpha: the query's share of the scale (default 0.5): a clipped head's query rows
             are scaled by ``gamma ** alpha``, its key rows by ``gamma ** (1 - alpha)``
             (grouped-query: the smallest gamma of the key's query heads).
@@ -324,11 +332,11 @@ class QKClip:
 
     def apply(self, *, scale: bool = True) -> QKClipStats:
         """Reduce the recorded maxima over the ranks (one all-reduce), scale the query and
-        key rows of every head above the threshold, reset the records; returns (and keeps
-        as ``last_stats``) what it saw and did. ``scale=False`` only measures (the stats
-        count the heads it would clip). Raises on every rank alike when no forward pass was
-        recorded, when a layer recorded nothing while others did, or when a max logit is
-        not finite."""
+        key rows of every head above the target (the threshold less its rounding slack),
+        reset the records; returns (and keeps as ``last_stats``) what it saw and did.
+        ``scale=False`` only measures (the stats count the heads it would clip). Raises on
+        every rank alike when no forward pass was recorded, when a layer recorded nothing
+        while others did, or when a max logit is not finite."""
         self._check_implementations()
         device = self._device()
         parts = []
@@ -337,18 +345,23 @@ class QKClip:
             if maxima is None:
                 maxima = torch.full((recorder.layer.num_heads,), -math.inf, device=device)
             parts.append(maxima.to(device=device, dtype=torch.float64))
+        # Each layer's recording precision rides along, so every rank aims at the same target.
+        roundoffs = [r.roundoff for r in self._recorders]
+        parts.append(torch.tensor(roundoffs, dtype=torch.float64, device=device))
         fields = torch.tensor(self._settings_fields(), dtype=torch.float64, device=device)
         packed = torch.cat([*parts, fields])
         if self._group is not None and dist.get_world_size(self._group) > 1:
             dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self._group)
         self._check_agreement(packed[-len(fields) :], "at apply()")
-        maxima_per_layer = packed[: -len(fields)].split([lay.num_heads for lay in self.layers])
+        *maxima_per_layer, roundoffs = packed[: -len(fields)].split(
+            [lay.num_heads for lay in self.layers] + [len(self.layers)]
+        )
         for recorder in self._recorders:
             recorder.reset()
-        self._check_maxima(maxima_per_layer)
+        self._check_maxima(tuple(maxima_per_layer))
         stats = tuple(
-            self._clip_layer(layer, maxima, scale)
-            for layer, maxima in zip(self.layers, maxima_per_layer)
+            self._clip_layer(layer, maxima, float(roundoff), scale)
+            for layer, maxima, roundoff in zip(self.layers, maxima_per_layer, roundoffs.tolist())
         )
         self.last_stats = QKClipStats(self.threshold, stats)
         return self.last_stats
@@ -392,8 +405,14 @@ class QKClip:
                 "nan): the model has diverged; nothing was scaled"
             )
 
-    def _clip_layer(self, layer: AttentionLayer, maxima: Tensor, scale: bool) -> LayerClipStats:
-        gammas = head_gammas(maxima, self.threshold)
+    def _clip_layer(
+        self, layer: AttentionLayer, maxima: Tensor, roundoff: float, scale: bool
+    ) -> LayerClipStats:
+        # Measured and rounded logits land a few roundoffs either side of where they are
+        # aimed: aim that far below tau, so that the rounded weights' logits stay below it.
+        weights = max(unit_roundoff(param.dtype) for _, param in _targets(layer))
+        target = self.threshold * (1.0 - rounding_slack(roundoff, weights))
+        gammas = head_gammas(maxima, target)
         clipped = int((gammas < 1).sum())
         smallest = float(gammas.min()) if clipped else 1.0
         if layer.qk_norm:
@@ -407,7 +426,7 @@ class QKClip:
         group = layer.num_heads // layer.num_kv_heads
         after = maxima * q_heads * k_heads.repeat_interleave(group) if clipped else maxima
         stats = LayerClipStats(
-            layer.name, tuple(maxima.tolist()), clipped, smallest, tuple(after.tolist())
+            layer.name, tuple(maxima.tolist()), clipped, smallest, tuple(after.tolist()), target
         )
         if not (clipped and scale):
             return stats

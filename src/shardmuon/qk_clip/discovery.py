@@ -5,13 +5,19 @@ fused ``qkv_proj``/``Wqkv`` whose rows are ``[Q; K; V]`` (Phi-3; the row split i
 :func:`shardmuon.routing.fused_qkv_partition`, the one the optimizer uses). Head counts
 come from the module or its config. A model whose heads are normalised after the
 projection (Qwen3's ``q_norm``/``k_norm``) is clipped through the norms' gains, per layer
-(see :class:`AttentionLayer`). Everything else that looks like attention is refused with
-its name: MLA (DeepSeek's ``kv_a_proj_with_mqa``), ``[in, out]`` weights (GPT-2's
-``Conv1D``), interleaved fused QKV (Falcon, GPT-NeoX).
+(see :class:`AttentionLayer`). A layer is kept only if its ``forward`` dispatches through
+transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``), where its logits are
+recorded: one that computes its own scores (GPT-Neo, MPT, XGLM) would record nothing.
+Everything else that looks like attention is refused with its name: MLA (DeepSeek's
+``kv_a_proj_with_mqa``), ``[in, out]`` weights (GPT-2's ``Conv1D``), interleaved fused QKV
+(Falcon, GPT-NeoX, CodeGen's model-parallel blocks).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import types
 from dataclasses import dataclass
 
 import torch
@@ -184,6 +190,58 @@ def _norms(name: str, module: nn.Module) -> tuple[nn.Module | None, nn.Module | 
     return q_norm, k_norm
 
 
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names ``code`` and the functions nested in it load."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _runs_through_interface(module: nn.Module) -> bool:
+    """Whether ``module``'s forward reaches transformers' attention interface, the one place
+    its logits can be recorded: read from the code of the forward that runs (past
+    decorators, and up the class chain while it calls ``super()``), not from the class name,
+    so any model that computes its own scores is caught."""
+    from transformers.modeling_utils import AttentionInterface
+
+    for klass in type(module).__mro__:
+        forward = vars(klass).get("forward")
+        if klass is nn.Module:
+            return False
+        if forward is None:
+            continue
+        forward = inspect.unwrap(forward)
+        code = getattr(forward, "__code__", None)
+        if code is None:  # not Python code: nothing to read, so nothing to vouch for
+            return False
+        names = _names(code) | set(code.co_freevars)
+        scope = getattr(forward, "__globals__", {})
+        cells = {}
+        for free, cell in zip(code.co_freevars, forward.__closure__ or ()):
+            with contextlib.suppress(ValueError):  # an empty cell holds nothing to read
+                cells[free] = cell.cell_contents
+        # By value too: an alias of ALL_ATTENTION_FUNCTIONS is the same registry.
+        if "ALL_ATTENTION_FUNCTIONS" in names or any(
+            isinstance(cells[n] if n in cells else scope.get(n), AttentionInterface) for n in names
+        ):
+            return True
+        if "super" not in names:
+            return False
+    return False
+
+
+def _check_recordable(name: str, module: nn.Module) -> None:
+    if not _runs_through_interface(module):
+        raise ValueError(
+            f"{name} ({type(module).__name__}) computes its attention scores itself: its forward "
+            "does not go through transformers' attention interface (ALL_ATTENTION_FUNCTIONS), "
+            "so its logits cannot be recorded and QK-clip cannot bound them; QK-clip supports "
+            "attention modules that dispatch through it (Llama, Qwen, Mistral, Phi-3, ...)"
+        )
+
+
 def _layer(name: str, module: nn.Module, model: nn.Module) -> AttentionLayer | None:
     children = dict(module.named_children())
     if any(marker in children for marker in _MLA_MARKERS):
@@ -202,10 +260,15 @@ def _layer(name: str, module: nn.Module, model: nn.Module) -> AttentionLayer | N
     elif fused is not None:
         fused_module = children[fused]
         rows = _rows(fused_module, f"{name}.{fused}")
-        if fused in _INTERLEAVED:
+        blocks = getattr(module, "mp_num", None)
+        if fused in _INTERLEAVED or (isinstance(blocks, int) and blocks > 1):
+            why = _INTERLEAVED.get(fused) or (
+                f"its rows interleave Q, V and K over mp_num = {blocks} model-parallel blocks "
+                "(CodeGen)"
+            )
             raise ValueError(
-                f"{name}.{fused}: {_INTERLEAVED[fused]}, so the query and key rows are not "
-                "contiguous blocks; QK-clip scales [Q; K; V] row blocks only"
+                f"{name}.{fused}: {why}, so the query and key rows are not contiguous blocks; "
+                "QK-clip scales [Q; K; V] row blocks only"
             )
         heads, kv_heads, head_dim = _head_shape(name, module, model)
         q_rows, _, _ = fused_qkv_partition(
@@ -221,6 +284,7 @@ def _layer(name: str, module: nn.Module, model: nn.Module) -> AttentionLayer | N
     else:
         return None
     q_norm, k_norm = _norms(name, module)
+    _check_recordable(name, module)
     return AttentionLayer(
         name, module, heads, kv_heads, head_dim, q_module, 0, k_module, k_start, q_norm, k_norm
     )

@@ -14,6 +14,13 @@ head ``h`` with max logit ``S_h`` above the threshold ``tau``, ``gamma_h = tau /
 query heads ``G_j``, by ``min_{h in G_j} gamma_h ** (1 - alpha)``. A head's logits then
 scale by at most ``gamma_h``, so none exceeds ``tau`` on the same inputs; with one query
 head per key head (MHA) unclipped heads are untouched.
+
+Rounding: ``S_h`` is measured on activations (and, on CUDA, scores) of finite precision, and
+the scaled rows are rounded to the weights' dtype, so a head clipped to exactly ``tau``
+lands within a few unit roundoffs of it, on either side (bf16: up to 1.008 ``tau`` against a
+float64 recomputation). The clip therefore aims at ``tau * (1 - slack)``
+(:func:`rounding_slack`, a small multiple of those unit roundoffs), and clips every head
+above that.
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ __all__ = [
     "key_factors",
     "max_logits_per_head",
     "query_factors",
+    "recording_roundoff",
+    "rounding_slack",
     "row_factors",
+    "unit_roundoff",
 ]
 
 # Scores per block: 4 Mi fp32 values, 16 MiB.
@@ -87,6 +97,39 @@ def _score_dtype(query: Tensor) -> torch.dtype:
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         return query.dtype
     return torch.float32
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the spacing of ``dtype`` at 1: the largest relative error of one rounding to it
+    (bf16 2^-8, fp16 2^-11, fp32 2^-24); 0 for a dtype that is not floating point."""
+    return torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
+
+
+def recording_roundoff(query: Tensor, key: Tensor) -> float:
+    """The unit roundoff of the coarsest of the query, the key, the score dtype
+    :func:`max_logits_per_head` computes them in and the autocast dtype in force (rotary
+    embeddings upcast autocast's bf16 projections to fp32, which keep bf16's precision):
+    what a maximum recorded now carries."""
+    dtypes = [query.dtype, key.dtype, _score_dtype(query)]
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtypes.append(torch.get_autocast_dtype(device))
+    return max(unit_roundoff(d) for d in dtypes)
+
+
+# The clip aims this many combined unit roundoffs below tau. Over ~1000 random heads per
+# dtype (the models of tests/qk_clip/test_qk_clip_rounding.py), a head clipped to tau exactly
+# landed at most ~3 unit roundoffs above it in bf16 and fp16 (a third of the slack, 8 of
+# them) and 7.4 in fp32, whose sums round at every step: fp32 gets the floor instead, which
+# is 250 of its roundoffs and so also covers sums far longer than a test's.
+ROUNDING_SLACK_ROUNDOFFS = 4.0
+MIN_ROUNDING_SLACK = 2.0**-16
+
+
+def rounding_slack(recorded_roundoff: float, weight_roundoff: float) -> float:
+    """How far below the threshold the clip aims, relative: ``4 * (u_recorded + u_weight)``
+    (bf16 throughout: 1/32), at least 2^-16 (fp32)."""
+    return max(MIN_ROUNDING_SLACK, ROUNDING_SLACK_ROUNDOFFS * (recorded_roundoff + weight_roundoff))
 
 
 def max_logits_per_head(

@@ -7,15 +7,17 @@ grouped-query repeat ``[batch, kv_heads, kv_len, head_dim]``, the mask and the s
 each implementation name a recorded model uses (``sdpa``, ``eager``, flash, ...), the entry
 is replaced by a wrapper that hands those to the module's :class:`LayerRecorder` (if it
 has one) and then calls the original, unchanged; modules without a recorder pass straight
-through. The model's config is not touched (``save_pretrained`` still writes the real
+through. ``eager`` has no entry: each module passes its own eager function as the default
+(Llama4's and Phi-4-multimodal's vision towers pass other functions than their text
+layers), so for it ``get_interface`` itself is wrapped, and the wrapper calls the default
+it was given. The model's config is not touched (``save_pretrained`` still writes the real
 implementation), and the mask interface needs nothing. When the last recorder is removed
-the original entries come back.
+the original entries (and ``get_interface``) come back.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import weakref
 from collections.abc import Callable
 
@@ -23,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from shardmuon.qk_clip.discovery import AttentionLayer
-from shardmuon.qk_clip.logits import max_logits_per_head
+from shardmuon.qk_clip.logits import max_logits_per_head, recording_roundoff
 from shardmuon.qk_clip.shards import head_offset
 
 __all__ = ["LayerRecorder", "check_free", "implementation_of", "install", "uninstall"]
@@ -31,21 +33,28 @@ __all__ = ["LayerRecorder", "check_free", "implementation_of", "install", "unins
 _RECORDERS: weakref.WeakKeyDictionary[nn.Module, LayerRecorder] = weakref.WeakKeyDictionary()
 # implementation name -> (the original entry or None for the model's own eager, users)
 _INSTALLED: dict[str, tuple[Callable | None, int]] = {}
+# While eager is recorded: the get_interface AttentionInterface had (None: inherited, so
+# deleting the patch restores it), and a wrapper per default eager function.
+_GET_INTERFACE: list[tuple[Callable, Callable | None]] = []
+_EAGER_WRAPPERS: dict[Callable, Callable] = {}
 
 
 class LayerRecorder:
     """One layer's running per-head maximum (``[heads]`` float32, ``-inf`` until a forward
-    pass in training mode records it), kept until :meth:`reset`."""
+    pass in training mode records it) and the unit roundoff of the coarsest precision it was
+    measured in (``roundoff``, 0 until then), kept until :meth:`reset`."""
 
     def __init__(self, layer: AttentionLayer, chunk_elements: int) -> None:
         self.layer = layer
         self.chunk_elements = chunk_elements
         self.enabled = True
         self.maxima: Tensor | None = None
+        self.roundoff = 0.0
         self._offsets: dict[int, int] = {}  # local head count -> first global head
 
     def reset(self) -> None:
         self.maxima = None
+        self.roundoff = 0.0
 
     def observe(
         self, query: Tensor, key: Tensor, mask: Tensor | None, kwargs: dict, implementation: str
@@ -90,6 +99,9 @@ class LayerRecorder:
             )
         part = self.maxima[offset : offset + local_heads]
         torch.maximum(part, seen.nan_to_num(nan=math.inf), out=part)
+        # bf16 activations (autocast, or bf16 weights) measure S_h to ~2^-8 only: the clip
+        # must aim that much lower, whatever the weights' own dtype.
+        self.roundoff = max(self.roundoff, recording_roundoff(query, key))
 
 
 def _packed_segments(kwargs: dict, batch: int, kv_len: int) -> Tensor | None:
@@ -109,26 +121,26 @@ def _packed_segments(kwargs: dict, batch: int, kv_len: int) -> Tensor | None:
     return starts.cumsum(dim=-1)
 
 
-def _eager_of(module: nn.Module) -> Callable:
-    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if fn is None:
-        raise RuntimeError(
-            f"{type(module).__name__} uses the eager attention, but its module "
-            f"{type(module).__module__} has no eager_attention_forward to call"
-        )
-    return fn
-
-
-def _wrapper(name: str, original: Callable | None) -> Callable:
+def _wrapper(name: str, original: Callable) -> Callable:
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         recorder = _RECORDERS.get(module)
         if recorder is not None:
             recorder.observe(query, key, attention_mask, kwargs, name)
-        fn = original if original is not None else _eager_of(module)
-        return fn(module, query, key, value, attention_mask, *args, **kwargs)
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
 
     attention.__wrapped__ = original  # type: ignore[attr-defined]
     return attention
+
+
+def _get_interface(self, attn_implementation: str, default: Callable) -> Callable:
+    """``AttentionInterface.get_interface`` while eager is recorded: the registered entry
+    as before; for eager with none registered, the caller's own default, wrapped."""
+    found = _GET_INTERFACE[0][0](self, attn_implementation, default)
+    if attn_implementation != "eager" or found is not default:
+        return found
+    if default not in _EAGER_WRAPPERS:
+        _EAGER_WRAPPERS[default] = _wrapper("eager", default)
+    return _EAGER_WRAPPERS[default]
 
 
 def implementation_of(layer: AttentionLayer, model: nn.Module) -> str:
@@ -141,12 +153,26 @@ def implementation_of(layer: AttentionLayer, model: nn.Module) -> str:
                 f"{layer.name} runs attention implementation {name!r}: QK-clip cannot record "
                 f"it ({UNSUPPORTED[name]})"
             )
+        if name == "eager" and not _eager_is_looked_up():
+            raise ValueError(
+                f"{layer.name} runs attention implementation 'eager', which this transformers "
+                "version calls directly, not through ALL_ATTENTION_FUNCTIONS.get_interface: "
+                "QK-clip cannot record it; use sdpa (or flash) attention"
+            )
         if name:
             return name
     raise ValueError(
         f"{layer.name}: no attention implementation set (config._attn_implementation); "
         "QK-clip records through Hugging Face's attention functions"
     )
+
+
+def _eager_is_looked_up() -> bool:
+    """Whether models look eager up (``get_interface(name, default)``) rather than calling
+    their eager function directly, as older transformers versions did."""
+    from transformers.modeling_utils import AttentionInterface
+
+    return hasattr(AttentionInterface, "get_interface")
 
 
 # Implementations whose inputs the recorder cannot read (flex's BlockMask).
@@ -178,7 +204,12 @@ def install(names: set[str], recorders: list[LayerRecorder]) -> None:
         original = AttentionInterface._global_mapping.get(name)
         if original is None and name != "eager":
             raise ValueError(f"attention implementation {name!r} is not registered")
-        AttentionInterface.register(name, _wrapper(name, original))
+        if original is None:
+            own = vars(AttentionInterface).get("get_interface")
+            _GET_INTERFACE.append((AttentionInterface.get_interface, own))
+            AttentionInterface.get_interface = _get_interface
+        else:
+            AttentionInterface.register(name, _wrapper(name, original))
         _INSTALLED[name] = (original, 1)
     for recorder in recorders:
         _RECORDERS[recorder.layer.module] = recorder
@@ -200,6 +231,11 @@ def uninstall(names: set[str], recorders: list[LayerRecorder]) -> None:
             continue
         del _INSTALLED[name]
         if original is None:
-            AttentionInterface._global_mapping.pop(name, None)
+            _, own = _GET_INTERFACE.pop()
+            if own is None:
+                del AttentionInterface.get_interface
+            else:
+                AttentionInterface.get_interface = own
+            _EAGER_WRAPPERS.clear()
         else:
             AttentionInterface.register(name, original)
