@@ -32,6 +32,7 @@ from shardmuon.planning.plan import (
 )
 from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES, batch_bytes, step_schedule
 from shardmuon.runtime.agreement import agreement_groups, check_plan_agreement
+from shardmuon.runtime.calibration import calibrate, plan_shape_classes
 from shardmuon.runtime.exchange import warmup_groups
 from shardmuon.runtime.offload import OFFLOAD_CHOICES, StateStager
 from shardmuon.runtime.phases import BatchRun, StepContext, orthogonalize_directions
@@ -234,6 +235,7 @@ class Muon(Optimizer):
         self._plan: Plan | None = None
         self._plan_settings: tuple | None = None
         self._plan_verified = False
+        self._auto_choices: dict[tuple[int, int], str] | None = None
         self._round: set[int] | None = None
         self._pending: dict[int, Any] = {}
         self._broken: str | None = None  # why the open step_chunk round cannot go on
@@ -325,6 +327,7 @@ class Muon(Optimizer):
         self._plan, self._plan_settings = plan, settings
         self._init_state()
         self._plan_verified = False
+        self._auto_choices = None
 
     def _init_state(self) -> None:
         """State for every parameter, where it lives (``runtime/state.py``)."""
@@ -403,7 +406,36 @@ class Muon(Optimizer):
             self.newton_schulz_restarts,
             guard=self.newton_schulz_guard,
             preconditioner=self.newton_schulz_preconditioner,
+            choices=self._auto_choices,
         )
+
+    def _calibrate_auto(self) -> None:
+        """``"auto"``: time the candidates on this plan's shape classes once (rank 0's
+        choice, broadcast: ``runtime/calibration.py``). Every rank gets here together."""
+        if self.newton_schulz_impl != "auto" or self._auto_choices is not None:
+            return
+        dtype = resolve_ns_dtype(self.newton_schulz_dtype)
+        key = (
+            str(self._device()),
+            str(dtype),
+            self.newton_schulz_preconditioner,
+            tuple(map(tuple, self.coefficients)),
+            self.newton_schulz_restarts,
+            self.newton_schulz_guard,
+        )
+
+        def make(name: str) -> Orthogonalizer:
+            return Orthogonalizer(
+                name,
+                dtype,
+                self.newton_schulz_restarts if name == "gram" else None,
+                guard=self.newton_schulz_guard,
+                preconditioner=self.newton_schulz_preconditioner,
+            )
+
+        classes = plan_shape_classes(self._plan.batches)
+        eps = float(self.defaults["epsilon"])
+        self._auto_choices = calibrate(classes, key, make, self._device(), self.coefficients, eps)
 
     def _engine_cost(self) -> EngineCost:
         """The Newton–Schulz cost model the plan's workspace and owner balancing read."""
@@ -506,6 +538,7 @@ class Muon(Optimizer):
         # configured otherwise would otherwise meet this check with its first all-to-all.
         if self.check_grads == "always" or not self._plan_verified:
             self._check_agreement()
+            self._calibrate_auto()
             self._plan_verified = True
         advance_step_counters(self.param_groups, self.state, self._counted_steps)
         self.last_step_stats = StepStats()

@@ -117,7 +117,7 @@ class EngineCost:
 
     def matrix_flops(self, rows: int, cols: int) -> int:
         """FLOPs of one ``[rows, cols]`` matrix's iteration (the engine's own count)."""
-        (name,) = self._candidates(rows, cols)
+        name = auto_choice((rows, cols), self.device_type) if self.impl == "auto" else self.impl
         restarts = effective_restarts(self.restarts, len(self.coefficients))
         m, n = sorted((rows, cols))
         return ENGINES[name].flops(m, n, self.coefficients, restarts)
@@ -141,12 +141,22 @@ class Orthogonalizer:
         restarts: Sequence[int] | None = None,
         guard: bool | None = None,
         preconditioner: str | None = None,
+        choices: dict[tuple[int, int], str] | None = None,
     ) -> None:
         self.impl, self.dtype, self.restarts = impl, dtype, restarts
         self.preconditioner = preconditioner
+        # "auto"'s measured engine per (short, long) shape class (runtime/calibration.py);
+        # a class it has not measured follows :func:`auto_choice`'s rule.
+        self.choices = dict(choices or {})
         self.guards = {e.name: guard_enabled(e.name, guard) for e in engines_of(impl)}
         self._nonfinite: list[Tensor] = []
         self._verdicts: list[GuardVerdict] = []
+
+    def _engine_for(self, shape: Sequence[int], device_type: str) -> str:
+        if self.impl != "auto":
+            return self.impl
+        measured = self.choices.get(tuple(sorted(shape[-2:])))
+        return measured or auto_choice(shape, device_type)
 
     def take_report(self) -> tuple[list[Tensor], list[GuardVerdict]]:
         """The non-finite masks and guard verdicts of the calls since the last take (cleared)."""
@@ -155,7 +165,7 @@ class Orthogonalizer:
         return report
 
     def __call__(self, X: Tensor, coefficients, eps: float) -> Tensor:
-        name = auto_choice(X.shape, X.device.type) if self.impl == "auto" else self.impl
+        name = self._engine_for(X.shape, X.device.type)
         engine = ENGINES[name]
         coeffs = resolve_coefficients(coefficients)
         guard = self.guards[name]
