@@ -19,19 +19,25 @@ B="$PY -m shardmuon"
 # Newton-Schulz per call on the seed's H200 shapes (the GPU default of bench ns): folded
 # vs unfolded in bf16, and standard vs Gram (issue #23) in bf16, fp16 and fp32, with the
 # errors on the three input kinds. Two runs, so that a timeout in the second keeps the first.
-timeout 75 $B bench ns --presets dion --dtypes bf16,fp16,fp32 --json "$OUT/ns.json" \
+timeout 60 $B bench ns --presets dion --dtypes bf16,fp16,fp32 --json "$OUT/ns.json" \
   | tee "$OUT/ns.txt"
-timeout 45 $B bench ns --presets deepseek-v4 --dtypes bf16,fp16 --json "$OUT/ns-dsv4.json" \
+timeout 35 $B bench ns --presets deepseek-v4 --dtypes bf16,fp16 --json "$OUT/ns-dsv4.json" \
   | tee "$OUT/ns-dsv4.txt"
 # One-GPU optimizer step on real-model shapes (multi-rank runs need several GPUs).
-timeout 75 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
+timeout 55 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
   --json "$OUT/step-qwen3.json" | tee "$OUT/step-qwen3.txt"
 # Optimizer-state offload (issue #11): the same step with the state in pinned host memory,
 # streamed chunk by chunk, beside the state on the GPU.
-timeout 80 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
+timeout 60 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
   --impl shardmuon --offload none,state --json "$OUT/step-offload.json" \
   | tee "$OUT/step-offload.txt"
 # The whole step, standard vs Gram engine (bf16) in one run.
-timeout 75 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
+timeout 55 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
   --impl shardmuon,shardmuon-gram --json "$OUT/step-gram.json" | tee "$OUT/step-gram.txt"
-timeout 40 $B bench ab --model tiny-moe --steps 5 --json "$OUT/ab.json" | tee "$OUT/ab.txt"
+# AOL (issue #29): one Newton-Schulz iteration fewer, the default's step beside it.
+timeout 55 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
+  --impl shardmuon --ns-preconditioner aol --json "$OUT/step-aol.json" | tee "$OUT/step-aol.txt"
+# The measured "auto" (calibrated per shape class on this GPU, issue #29).
+timeout 40 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
+  --impl shardmuon --ns-impl auto --json "$OUT/step-auto.json" | tee "$OUT/step-auto.txt"
+timeout 30 $B bench ab --model tiny-moe --steps 5 --json "$OUT/ab.json" | tee "$OUT/ab.txt"

@@ -7,7 +7,9 @@ a gloo world of 2) per tree, in the order REV, HEAD, HEAD, REV, ... so that drif
 machine's speed falls on both alike. Every process uses one thread per rank and steps the
 same 12 matrices (4 x 512x512, 2 x 1536x512, 3 x [8, 512, 256], 3 x [8, 256, 512]; sharded
 ``Shard(0)`` over the ranks at world 2), after two warm-up steps. Prints the median step
-time of each tree and the ratio HEAD / REV per world size; ``--json PATH`` keeps them.
+time of each tree, the ratio HEAD / REV per world size and, at world 1, each step over dion's
+unfolded bf16 recipe on the same matrices timed in the same process (``--aol`` adds HEAD
+with ``newton_schulz_preconditioner="aol"``); ``--json PATH`` keeps them.
 Run it before every stop that touches the step; the figures go in docs/benchmarks.md.
 """
 
@@ -28,7 +30,29 @@ SHAPES = [(512, 512)] * 4 + [(1536, 512)] * 2 + [(8, 512, 256)] * 3 + [(8, 256, 
 MAX_WORLD = 2
 
 
-def _rank_main(rank: int, world: int, port: int, src: str, steps: int, out: str) -> None:
+def _unfolded_recipe_seconds(tensors, grads, repeats: int) -> float:
+    """Median seconds of dion's unfolded bf16 recipe on the same matrices (same-shape
+    matrices stacked, as the step batches them): the baseline the step is measured by."""
+    import torch
+
+    from shardmuon.ops.newton_schulz import newton_schulz_unfolded
+
+    stacks: dict = {}
+    for g in grads:
+        stacks.setdefault(tuple(g.shape[-2:]), []).append(g.reshape(-1, *g.shape[-2:]))
+    batches = [torch.cat(v).bfloat16() for v in stacks.values()]
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for b in batches:
+            newton_schulz_unfolded(b)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _rank_main(
+    rank: int, world: int, port: int, src: str, steps: int, out: str, options: str = "{}"
+) -> None:
     sys.path.insert(0, src)
     import torch
     import torch.distributed as dist
@@ -59,7 +83,7 @@ def _rank_main(rank: int, world: int, port: int, src: str, steps: int, out: str)
 
     params = [torch.nn.Parameter(place(t)) for t in tensors]
     grads = [[place(t) for t in gs] for gs in grads]
-    opt = Muon(params, lr=0.02)
+    opt = Muon(params, lr=0.02, **json.loads(options))
     times = []
     for i in range(steps + 2):
         for p, gr in zip(params, grads[i % 2]):
@@ -77,32 +101,46 @@ def _rank_main(rank: int, world: int, port: int, src: str, steps: int, out: str)
         times = [max(column) for column in zip(*gathered)]  # a step lasts as its slowest rank
         dist.destroy_process_group()
     if rank == 0:
-        Path(out).write_text(json.dumps(times))
+        record = {"times": times}
+        if world == 1:
+            record["unfolded"] = _unfolded_recipe_seconds(tensors, grads[0], steps)
+        Path(out).write_text(json.dumps(record))
 
 
-def _run_once(src: Path, world: int, steps: int) -> float:
-    """Median step seconds of one fresh process (world 1) or gloo world on ``src``."""
+def _run_once(src: Path, world: int, steps: int, options: dict | None = None) -> dict:
+    """Median step seconds of one fresh process (world 1) or gloo world on ``src`` (and, at
+    world 1, of the unfolded recipe on the same matrices)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import step_regression as s; "
-        "s._spawn(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5])"
+        "s._spawn(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(
-        [sys.executable, "-c", code, str(ROOT / "scripts"), str(world), str(src), str(steps), out],
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(ROOT / "scripts"),
+            str(world),
+            str(src),
+            str(steps),
+            out,
+            json.dumps(options or {}),
+        ],
         check=True,
         env=env,
         timeout=600,
     )
-    times = json.loads(Path(out).read_text())
+    record = json.loads(Path(out).read_text())
     os.unlink(out)
-    return statistics.median(times)
+    return {"step": statistics.median(record["times"]), "unfolded": record.get("unfolded")}
 
 
-def _spawn(world: int, src: str, steps: int, out: str) -> None:
+def _spawn(world: int, src: str, steps: int, out: str, options: str = "{}") -> None:
     if world == 1:
-        _rank_main(0, 1, 0, src, steps, out)
+        _rank_main(0, 1, 0, src, steps, out, options)
         return
     import socket
 
@@ -111,7 +149,7 @@ def _spawn(world: int, src: str, steps: int, out: str) -> None:
     with socket.socket() as probe:  # a free port (this script runs on either tree)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    mp.spawn(_rank_main, args=(world, port, src, steps, out), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, port, src, steps, out, options), nprocs=world, join=True)
 
 
 def main() -> int:
@@ -120,6 +158,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per process")
     parser.add_argument("--worlds", default="1,2", help="world sizes, at most 2 (e.g. 1,2)")
+    parser.add_argument("--aol", action="store_true", help="also HEAD with AOL preconditioning")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
@@ -142,33 +181,48 @@ def main() -> int:
             capture_output=True,
         )
         try:
-            trees = {"rev": tree / "src", "head": ROOT / "src"}
+            trees = {"rev": (tree / "src", {}), "head": (ROOT / "src", {})}
+            if args.aol:
+                trees["head+aol"] = (ROOT / "src", {"newton_schulz_preconditioner": "aol"})
             for world in worlds:
-                samples: dict[str, list[float]] = {"rev": [], "head": []}
+                samples: dict[str, list[dict]] = {name: [] for name in trees}
                 for r in range(args.rounds):
-                    order = ("rev", "head") if r % 2 == 0 else ("head", "rev")
+                    order = list(trees) if r % 2 == 0 else list(trees)[::-1]
                     for name in order:
-                        samples[name].append(_run_once(trees[name], world, args.steps))
+                        src, options = trees[name]
+                        samples[name].append(_run_once(src, world, args.steps, options))
                     print(
                         f"world {world} round {r + 1}/{args.rounds}: "
-                        f"{sha} {samples['rev'][-1] * 1e3:.1f} ms, "
-                        f"HEAD {samples['head'][-1] * 1e3:.1f} ms",
+                        + ", ".join(f"{n} {samples[n][-1]['step'] * 1e3:.1f} ms" for n in trees),
                         file=sys.stderr,
                     )
-                rev_ms = statistics.median(samples["rev"]) * 1e3
-                head_ms = statistics.median(samples["head"]) * 1e3
-                ratios = [h / v for h, v in zip(samples["head"], samples["rev"])]
-                results["worlds"][world] = {
-                    "rev_ms": rev_ms,
-                    "head_ms": head_ms,
-                    "ratio": head_ms / rev_ms,
-                    "ratio_range": [min(ratios), max(ratios)],
-                }
-                print(
-                    f"world {world}: {sha} {rev_ms:.1f} ms, HEAD {head_ms:.1f} ms, "
-                    f"HEAD/{sha} = {head_ms / rev_ms:.3f} "
-                    f"(per round {min(ratios):.3f}-{max(ratios):.3f})"
-                )
+                figures = {}
+                for name in trees:
+                    steps_s = [x["step"] for x in samples[name]]
+                    ratios = [h["step"] / v["step"] for h, v in zip(samples[name], samples["rev"])]
+                    figures[name] = {
+                        "step_ms": statistics.median(steps_s) * 1e3,
+                        "over_rev": statistics.median(steps_s)
+                        / statistics.median(x["step"] for x in samples["rev"]),
+                        "over_rev_range": [min(ratios), max(ratios)],
+                    }
+                    if world == 1:
+                        per_round = [x["step"] / x["unfolded"] for x in samples[name]]
+                        figures[name]["over_unfolded"] = statistics.median(per_round)
+                        figures[name]["over_unfolded_range"] = [min(per_round), max(per_round)]
+                results["worlds"][world] = figures
+                for name, f in figures.items():
+                    extra = (
+                        f", step / unfolded recipe {f['over_unfolded']:.3f} "
+                        f"({f['over_unfolded_range'][0]:.3f}-{f['over_unfolded_range'][1]:.3f})"
+                        if "over_unfolded" in f
+                        else ""
+                    )
+                    print(
+                        f"world {world}: {name:9s} {f['step_ms']:7.1f} ms, / {sha} "
+                        f"{f['over_rev']:.3f} (rounds {f['over_rev_range'][0]:.3f}-"
+                        f"{f['over_rev_range'][1]:.3f}){extra}"
+                    )
         finally:
             subprocess.run(
                 ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
