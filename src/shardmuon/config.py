@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 from torch import Tensor, nn
 
 from shardmuon.ops.newton_schulz import resolve_coefficients
@@ -107,8 +107,9 @@ class MuonConfig(BaseModel):
     # The engine table's names (shardmuon.ops.engines.ENGINES, and "auto").
     newton_schulz_impl: str = "folded"
     newton_schulz_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    newton_schulz_restarts: list[int] | None = None
-    newton_schulz_guard: bool | None = None
+    # Taken as given (no coercion): the engine checks below refuse True or "2".
+    newton_schulz_restarts: Any = None
+    newton_schulz_guard: Any = None
     newton_schulz_preconditioner: Literal["aol"] | None = None
     warmup: bool = False
     # QK-clip (not Muon arguments: build_qk_clip reads them); None = off.
@@ -193,6 +194,26 @@ class MuonConfig(BaseModel):
         except TypeError as err:  # pydantic reports ValueErrors against the field
             raise ValueError(str(err)) from None
         return value
+
+    @model_validator(mode="after")
+    def _engine_settings(self) -> MuonConfig:
+        # The constructor's own checks, on the config as a whole (restarts depend on the
+        # schedule's length and the engine; pydantic would coerce True to 1).
+        from shardmuon.ops.engines import resolve_restarts
+        from shardmuon.validation import check_engine_settings
+
+        spec = self.newton_schulz_coefficients
+        if spec is None and self.newton_schulz_preconditioner == "aol":
+            spec = "aol"
+        try:
+            check_engine_settings(self.model_dump(), len(resolve_coefficients(spec)))
+        except TypeError as err:
+            raise ValueError(str(err)) from None
+        restarts = resolve_restarts(self.newton_schulz_restarts, len(resolve_coefficients(spec)))
+        object.__setattr__(
+            self, "newton_schulz_restarts", None if restarts is None else list(restarts)
+        )
+        return self
 
     def muon_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``shardmuon.Muon`` (everything but ``params``)."""

@@ -194,12 +194,11 @@ class Muon(Optimizer):
         )  # fmt: skip
         self.__dict__.update(
             update_rms=update_rms,
-            coefficients=resolve_coefficients(
-                # AOL's own 4-step schedule unless coefficients are given.
-                "aol"
-                if newton_schulz_coefficients is None and newton_schulz_preconditioner == "aol"
-                else newton_schulz_coefficients
-            ),
+            # None: the default schedule, which follows the preconditioner (AOL's 4 steps).
+            coefficients=None
+            if newton_schulz_coefficients is None
+            else resolve_coefficients(newton_schulz_coefficients),
+            _default_coefficients=None,
             newton_schulz_impl=newton_schulz_impl,
             newton_schulz_dtype=newton_schulz_dtype,
             newton_schulz_restarts=newton_schulz_restarts,
@@ -249,7 +248,19 @@ class Muon(Optimizer):
 
     def _check_options(self) -> None:
         """The optimizer-wide settings (public attributes, so checked again before each step)."""
+        self._resolve_live_coefficients()
         check_optimizer_settings(self._settings(), NS_CHOICES, OFFLOAD_CHOICES)
+
+    def _resolve_live_coefficients(self) -> None:
+        """``coefficients`` as the iteration reads them: a preset name or a list set on a
+        live optimizer is resolved, ``None`` is the default, and the default follows the
+        preconditioner (dion's 5 steps, or AOL's 4) until coefficients are given."""
+        value = self.coefficients
+        if value is None or value is self._default_coefficients:
+            preset = "aol" if self.newton_schulz_preconditioner == "aol" else None
+            self.coefficients = self._default_coefficients = resolve_coefficients(preset)
+        elif not (isinstance(value, tuple) and all(isinstance(t, tuple) for t in value)):
+            self.coefficients = resolve_coefficients(value)
 
     # ----------------------------------------------------------------- planning
 
@@ -653,6 +664,9 @@ class Muon(Optimizer):
         state["_shardmuon_settings"] = {
             **self._settings(),
             "_raw_partitions": self._raw_partitions,
+            # The same object as ``coefficients`` while they are the default (deepcopy and
+            # pickle keep the identity), so the default still follows the preconditioner.
+            "_default_coefficients": self._default_coefficients,
         }
         return state
 

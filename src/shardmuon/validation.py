@@ -258,31 +258,38 @@ def check_optimizer_settings(
         raise ValueError(f"offload_prefetch must be an int >= 1, got {prefetch!r}")
     check_int("offload_prefetch", prefetch, 1, "an int >= 1")
     _check_choice("newton_schulz_impl", settings["newton_schulz_impl"], ns_impls)
+    check_engine_settings(settings, len(settings["coefficients"]))
+    _check_choice("check_grads", settings["check_grads"], CHECK_GRADS_CHOICES)
+    for name in ("rotate_owners", "split_replicas"):
+        if not isinstance(settings[name], bool):
+            raise TypeError(f"{name} must be True or False, got {settings[name]!r}")
+
+
+def check_engine_settings(settings: Mapping[str, Any], steps: int) -> None:
+    """The Newton–Schulz settings together (``newton_schulz_impl`` already one of the
+    engines): the dtype the engine runs in, restarts (checked, and only where the engine
+    restarts, at most every 3 steps of a ``steps``-step schedule), the preconditioner and
+    the guard. One path for ``Muon`` and ``MuonConfig``."""
+    impl = settings["newton_schulz_impl"]
     dtype = resolve_ns_dtype(settings["newton_schulz_dtype"])
-    for engine in engines_of(settings["newton_schulz_impl"]):
+    for engine in engines_of(impl):
         if dtype not in engine.dtypes:
             raise ValueError(
                 f"newton_schulz_impl={engine.name!r} does not run in {dtype}; it runs in "
                 f"{', '.join(map(str, engine.dtypes))}"
             )
-    restarts = resolve_restarts(settings["newton_schulz_restarts"], len(settings["coefficients"]))
-    impl = settings["newton_schulz_impl"]
+    restarts = resolve_restarts(settings["newton_schulz_restarts"], steps)
     if restarts is not None and not any(e.takes_restarts for e in engines_of(impl)):
         raise ValueError(
             f"newton_schulz_restarts={restarts!r} applies to newton_schulz_impl='gram' "
             f"(or 'auto'), not {impl!r}, which never restarts; drop it or choose 'gram'"
         )
     if any(e.takes_restarts for e in engines_of(impl)):
-        check_restart_runs(restarts, len(settings["coefficients"]))
+        check_restart_runs(restarts, steps)
     check_preconditioner(settings["newton_schulz_preconditioner"])
-    if settings["newton_schulz_guard"] not in (None, True, False):
-        raise TypeError(
-            f"newton_schulz_guard must be None, True or False, got {settings['newton_schulz_guard']!r}"
-        )
-    _check_choice("check_grads", settings["check_grads"], CHECK_GRADS_CHOICES)
-    for name in ("rotate_owners", "split_replicas"):
-        if not isinstance(settings[name], bool):
-            raise TypeError(f"{name} must be True or False, got {settings[name]!r}")
+    guard = settings["newton_schulz_guard"]
+    if not (guard is None or isinstance(guard, bool)):
+        raise TypeError(f"newton_schulz_guard must be None, True or False, got {guard!r}")
 
 
 def check_dion_arguments(

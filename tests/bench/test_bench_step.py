@@ -205,7 +205,12 @@ def test_replay_makes_the_steps_newton_schulz_calls(impl, monkeypatch):
         assert eps == pytest.approx(1e-7)
     assert not any(recorder.grad_enabled)  # as in the step: no autograd
     # The optimizer's own engine: Gram gets its dtype and restarts as in the step.
-    expected = {"dtype": torch.bfloat16, "restarts": None, "overwrite_input": impl == "folded"}
+    expected = {
+        "dtype": torch.bfloat16,
+        "restarts": None,
+        "overwrite_input": impl == "folded",
+        "preconditioner": None,
+    }
     assert recorder.keywords == [expected] * len(recorder.calls)
     # Every Muon element once; the partitioned stack as 4-row blocks, never as [8, 6].
     assert sum(b * r * c for b, r, c in calls) == 3 * 8 * 6 + 12 * 5 + 2 * 5 * 12

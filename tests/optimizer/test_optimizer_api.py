@@ -58,7 +58,7 @@ BAD_CONSTRUCTOR = [
     (
         dict(newton_schulz_coefficients="quintic"),
         ValueError,
-        r"unknown Newton-Schulz preset 'quintic'; accepted presets: deepseek-v4, dion",
+        r"unknown Newton-Schulz preset 'quintic'; accepted presets: aol, deepseek-v4, dion",
     ),
 ]
 

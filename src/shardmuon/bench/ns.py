@@ -84,6 +84,34 @@ CPU_SHAPES: tuple[tuple[int, ...], ...] = (
 )
 
 
+# Bytes a shape's element needs during one benchmarked call, about: the fp64 input and
+# reference, the fp32 copies and the iteration's buffers.
+BYTES_PER_ELEMENT = 48
+
+
+def check_shapes_fit(shapes: list[tuple[int, ...]], device: torch.device) -> None:
+    """Refuse, before allocating, a shape whose benchmark cannot fit the device's memory
+    (ValueError naming the shape, what it needs and what there is)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        where = f"{free / 2**30:.1f} GiB free on {device}"
+    else:
+        from shardmuon.harness.processes import available_memory_bytes
+
+        free = available_memory_bytes()
+        where = f"{(free or 0) / 2**30:.1f} GiB available memory"
+    if free is None:
+        return
+    for shape in shapes:
+        need = math.prod(shape) * BYTES_PER_ELEMENT
+        if need > free:
+            raise ValueError(
+                f"--shapes {'x'.join(map(str, shape))}: about {need / 2**30:.3g} GiB to benchmark "
+                f"(~{BYTES_PER_ELEMENT} bytes per element), more than the {where}; give "
+                "smaller shapes"
+            )
+
+
 def parse_shapes(text: str) -> list[tuple[int, ...]]:
     """Parse ``"8x256x512,1024x2048"`` into ``[(8, 256, 512), (1024, 2048)]``.
 
@@ -323,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
         shapes = list(GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
     else:
         shapes = parse_shapes(args.shapes)
+        check_shapes_fit(shapes, device)
     presets = parse_presets(args.coefficients)
     dtypes = parse_dtypes(args.dtypes)
     if device.type == "cpu" and torch.float16 in dtypes:

@@ -238,11 +238,22 @@ def aol_rescale_(X: Tensor, A: Tensor) -> None:
     """
     wide = torch.float64 if A.dtype == torch.float64 else torch.float32
     row_sums = A.abs().sum(dim=-1, dtype=wide)
+    narrow = X.dtype == torch.float16
+    if narrow:
+        # fp16's exponent range: a small row's Gram entries underflow to 0 (and its scale
+        # would come out 1e19). Its diagonal ||x_i||^2 is taken from X in fp32 instead, and
+        # written back after the scaling, where it is representable again.
+        squares = torch.linalg.vector_norm(X, dim=-1, dtype=wide).square_()
+        row_sums += squares - A.diagonal(dim1=-2, dim2=-1).abs().to(wide)
+    # The row sums hold each row's own ||x_i||^2 (exactly, in fp16 too), so d_i <= 1/||x_i||
+    # and every scaled row stays within norm 1: no scale can overflow X's dtype.
     d = row_sums.clamp_min_(torch.finfo(wide).tiny).rsqrt_()
     # Both products in fp32, each rounded once: rounding d, or D A D's scales, to bf16
     # first costs 1.2-1.8x the error (A must stay the Gram matrix of the scaled X).
     X.mul_(d.unsqueeze(-1))
     A.mul_(d.unsqueeze(-1) * d.unsqueeze(-2))
+    if narrow:
+        A.diagonal(dim1=-2, dim2=-1).copy_(squares * d * d)
 
 
 def iterate_folded(
@@ -338,8 +349,10 @@ def orthogonalize_per_matrix(
     """:func:`orthogonalize_with` the folded iteration, one matrix of ``G[..., m, n]`` at a
     time (normalisation included): the result and the ``[B]`` non-finite mask."""
     _check_matrix(G)
-    stack, shape = _as_batch3d(G)
     options = dict(dtype=dtype, preconditioner=preconditioner)
+    if G.numel() == 0:
+        return orthogonalize_with(iterate_folded, G, coefficients, eps, **options)
+    stack, shape = _as_batch3d(G)
     if stack.size(0) <= 1:
         return orthogonalize_with(iterate_folded, G, coefficients, eps, **options)
     out = torch.empty(stack.shape, dtype=dtype, device=G.device)

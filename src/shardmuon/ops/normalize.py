@@ -31,7 +31,6 @@ __all__ = [
     "Normalized",
     "frobenius_norm_fp32",
     "normalize",
-    "safe_norm_fp32",
 ]
 
 # Elements of one float32 temporary in the division (16 MiB): the fp32 copy of a large
@@ -51,41 +50,37 @@ class Normalized(NamedTuple):
     nonfinite: Tensor
 
 
-def frobenius_norm_fp32(X: Tensor) -> Tensor:
-    """``||X||_F`` of each matrix of ``X[B, m, n]``, in fp32, shape ``[B, 1, 1]``, without
-    overflow or underflow (the rare path of :func:`normalize`; any device).
+def _power_of_two_below(value: Tensor) -> Tensor:
+    """``2^-e`` with ``value * 2^-e`` in ``[0.5, 1)`` (``e`` clamped so the factor stays a
+    normal fp32; 0 gives 1): multiplying by it is exact."""
+    _, exponent = torch.frexp(value)
+    exponent.clamp_(-126, 126)
+    return torch.ldexp(torch.ones_like(value, dtype=torch.float32), -exponent).to(torch.float32)
 
-    Each matrix is scaled by the power of two that brings its largest entry into
-    ``[0.5, 1)`` before the reduction and unscaled after: exact, so wherever the plain fp32
-    reduction neither overflows nor underflows the result is the same bits. Non-finite
-    entries give a non-finite norm.
-    """
+
+def frobenius_norm_fp32(X: Tensor) -> tuple[Tensor, Tensor]:
+    """``(s, ||s X||_F)`` per matrix of ``X[B, m, n]``, both fp32 ``[B, 1, 1]``, where ``s``
+    is the power of two that brings the largest entry into ``[0.5, 1)``: no overflow or
+    underflow whatever the scale of ``X`` (a norm above fp32's largest value included),
+    and wherever the plain fp32 reduction neither overflows nor underflows, ``||s X|| / s``
+    is its very bits. Non-finite entries give a non-finite norm."""
     largest = torch.linalg.vector_norm(
         X, ord=math.inf, dim=(-2, -1), keepdim=True, dtype=torch.float32
     )
-    _, exponent = torch.frexp(largest)
-    # 0 (an all-zero matrix) gives exponent 0; the clamp keeps 2^-exponent a normal fp32.
-    exponent.clamp_(-120, 120)
-    scale = torch.ldexp(torch.ones_like(largest), -exponent)
+    scale = _power_of_two_below(largest)
     scaled = X.to(torch.float32, copy=True).mul_(scale)
-    norm = torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
-    del scaled
-    return norm.div_(scale)
+    return scale, torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
 
 
-def safe_norm_fp32(X: Tensor) -> Tensor:
-    """``||X||_F`` per matrix of ``X[B, m, n]`` in fp32 ``[B, 1, 1]``, overflow-safe, from
-    one reduction on the common path (see the module docstring)."""
-    if X.device.type != "cpu":
-        # One pass, no synchronisation: fp64 holds the square of any fp32 value.
-        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
-        return norm.to(torch.float32)
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+def _suspects(norm: Tensor, eps: float) -> list[int]:
+    """Matrices whose plain fp32 norm may have overflowed or underflowed (or is NaN). A
+    zero norm is left to the plain path when ``eps`` dwarfs whatever may have underflowed
+    (then both paths divide by ``eps``): an all-zero matrix (an expert that got no token)
+    costs nothing extra."""
     suspect = ~(norm >= _SMALLEST_TRUSTED_NORM) | torch.isinf(norm)
-    if bool(suspect.any()):  # the rare path (a host check is free on a CPU)
-        for i in suspect.flatten().nonzero().flatten().tolist():  # one fp32 copy at a time
-            norm[i] = frobenius_norm_fp32(X[i : i + 1])[0]
-    return norm
+    if eps >= _SMALLEST_TRUSTED_NORM:
+        suspect &= norm != 0
+    return suspect.flatten().nonzero().flatten().tolist() if bool(suspect.any()) else []
 
 
 def normalize(
@@ -98,32 +93,73 @@ def normalize(
     ``NORMALIZE_CHUNK_ELEMENTS`` elements gives the same bits as doing it whole, while the
     fp32 temporary stays small. Writes into ``out`` (which may be ``X`` itself: each slice
     is read before it is written) or a new contiguous ``[B, m, n]`` tensor. Inputs wider
-    than fp32 are rounded to fp32 first.
+    than fp32 are rounded to fp32 first. Where the norm needs it (its fp32 value overflows
+    or underflows, on a CPU; always elsewhere) the matrix is first scaled by a power of two
+    ``s`` (exact) and divided by ``||s X|| + s eps``: the same quotient, representable.
     """
     if X.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         X = X.float()
-    denom = safe_norm_fp32(X)
-    nonfinite = ~torch.isfinite(denom)
-    denom.add_(eps)
+    batch = X.size(0)
     if out is None:
         out = torch.empty(X.shape, dtype=dtype, device=X.device)
+    if X.device.type != "cpu":
+        # One pass, no synchronisation: fp64 holds the square of any fp32 value, and the
+        # power-of-two prescale keeps the divisor an fp32 number.
+        norm64 = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
+        prescale = _power_of_two_below(norm64)
+        denom = (norm64 * prescale).to(torch.float32)
+        nonfinite = ~torch.isfinite(denom)
+        denom.add_(prescale * eps)
+        _divide(out, X, denom, prescale)
+        out.masked_fill_(nonfinite, 0.0)
+        return Normalized(out, nonfinite.flatten())
+    denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    suspects = _suspects(denom, eps)  # a [B] check on the host: free on a CPU
+    nonfinite = torch.zeros(batch, dtype=torch.bool, device=X.device)
+    denom.add_(eps)
+    # ``out`` may be ``X`` itself: then the rare rows are done first and divided by 1 in
+    # the plain pass (exact); otherwise the plain pass first, the rare rows over it.
+    aliased = out.data_ptr() == X.data_ptr()
+    if not aliased:
+        _divide(out, X, denom, None)
+    for i in suspects:  # the rare path: one matrix, one fp32 copy at a time
+        scaled = X[i : i + 1].to(torch.float32, copy=True)
+        scale = _power_of_two_below(torch.linalg.vector_norm(scaled, ord=math.inf))
+        norm = torch.linalg.vector_norm(scaled.mul_(scale))
+        nonfinite[i] = ~torch.isfinite(norm)
+        out[i : i + 1] = scaled.div_(norm + scale * eps)
+        denom[i] = 1.0
+    if aliased:
+        _divide(out, X, denom, None)
+    if suspects:
+        out[nonfinite] = 0
+    return Normalized(out, nonfinite)
+
+
+def _divide(out: Tensor, X: Tensor, denom: Tensor, prescale: Tensor | None) -> None:
+    """``out = X * prescale / denom`` per matrix, in fp32 slices of at most
+    ``NORMALIZE_CHUNK_ELEMENTS`` elements (the same bits as whole)."""
     batch, rows, cols = X.shape
 
-    def divide_into(target: Tensor, source: Tensor, divisor: Tensor) -> None:
-        # One fp32 copy, divided in place (a mixed-dtype div would add a second one).
-        target.copy_(source.to(torch.float32, copy=True).div_(divisor))
+    def divide_into(target: Tensor, source: Tensor, divisor: Tensor, pre: Tensor | None) -> None:
+        # One fp32 copy, scaled and divided in place (a mixed-dtype div adds a second one).
+        quotient = source.to(torch.float32, copy=True)
+        if pre is not None:
+            quotient.mul_(pre)
+        target.copy_(quotient.div_(divisor))
+
+    def at(t: Tensor | None, index) -> Tensor | None:
+        return None if t is None else t[index]
 
     if X.numel() <= NORMALIZE_CHUNK_ELEMENTS:
-        divide_into(out, X, denom)
+        divide_into(out, X, denom, prescale)
     elif rows * cols <= NORMALIZE_CHUNK_ELEMENTS:
         step = NORMALIZE_CHUNK_ELEMENTS // (rows * cols)
         for b in range(0, batch, step):
-            divide_into(out[b : b + step], X[b : b + step], denom[b : b + step])
+            part = slice(b, b + step)
+            divide_into(out[part], X[part], denom[part], at(prescale, part))
     else:
         step = max(1, NORMALIZE_CHUNK_ELEMENTS // cols)
         for b in range(batch):
             for r in range(0, rows, step):
-                divide_into(out[b, r : r + step], X[b, r : r + step], denom[b])
-    if X.device.type != "cpu" or bool(nonfinite.any()):
-        out.masked_fill_(nonfinite, 0.0)
-    return Normalized(out, nonfinite.flatten())
+                divide_into(out[b, r : r + step], X[b, r : r + step], denom[b], at(prescale, b))

@@ -97,17 +97,19 @@ class EngineCost:
         # The normalisation: the normalised X, one fp32 slice and the norms; the rare path
         # re-reduces one matrix at a time (its input copy and fp32 copy).
         division = size * total + FP32 * min(total, NORMALIZE_CHUNK_ELEMENTS) + 2 * FP32 * count
-        rare = (BF16 + FP32) * m * n + 2 * FP32 * count
+        # The rare path: one suspect matrix's fp32 scaled copy at a time, beside X.
+        rare = size * total + FP32 * m * n + 2 * FP32 * count
         iteration = engine.iteration_bytes(count, m, n, size, chain)
         cast = (size * total + BF16 * total) if size != BF16 else 0
         if self.preconditioner == "aol":
-            # The fp32 outer product of the row scales, beside the iteration's buffers.
-            iteration += FP32 * small + 2 * FP32 * count * m
+            # |A| and its fp32 row sums, the fp32 outer product of the scales, and the fp32
+            # copies the two mixed-dtype products make of X and A.
+            iteration += size * small + 2 * FP32 * small + FP32 * total + 2 * FP32 * count * m
         peak = max(division, rare, iteration, cast)
         if guard_enabled(name, self.guard):
-            # A = O O^T in bf16 and fp32, its scaled and cleaned copies, the eigensolver's
-            # input; a recompute: one matrix's fp32 input and standard iteration.
-            check = BF16 * total + (BF16 + 3 * FP32) * small + FP32 * small
+            # O in fp32 and A = O O^T, its cleaned copy, the eigensolver's input and output;
+            # a recompute: one matrix's fp32 input and standard iteration.
+            check = BF16 * total + FP32 * total + 4 * FP32 * small
             fp32_one = FP32 * m * n
             recompute = (
                 BF16 * total + 3 * fp32_one + ENGINES["folded"].iteration_bytes(1, m, n, FP32, FP32)

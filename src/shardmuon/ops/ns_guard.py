@@ -59,8 +59,11 @@ def band_high(coefficients: Coefficients) -> float:
 
 
 def _gram_fp32(result: Tensor) -> Tensor:
+    """``O O^T`` on the short side, computed in fp32 from ``result``'s own values: a bf16
+    product rounds ``A`` to 8 bits, enough to put a result above the limit below it."""
     X = result if result.size(-2) <= result.size(-1) else result.mT
-    return torch.bmm(X, X.mT).float()
+    X = X.to(torch.float32)
+    return torch.bmm(X, X.mT)
 
 
 def largest_singular_value(result: Tensor) -> Tensor:
