@@ -104,9 +104,18 @@ def place(ctx: Context, spec: Spec, full: torch.Tensor) -> torch.Tensor:
     """This rank's version of ``full`` (the same on every rank): a DTensor or a plain copy."""
     if spec.placements is None:
         return full.clone()
-    return distribute_tensor(
-        full.clone(), ctx.mesh_for(spec.mesh), list(spec.placements), src_data_rank=None
-    )
+    return _distribute(full, ctx.mesh_for(spec.mesh), list(spec.placements))
+
+
+def _distribute(full: torch.Tensor, mesh: DeviceMesh, placements: list) -> torch.Tensor:
+    """``full`` laid out by ``distribute_tensor``: cut locally (no collective) on a mesh that
+    lists every dim's ranks in ascending order; on one that does not, scattered by torch,
+    which gives shard ``i`` to group rank ``i`` as ``full_tensor()`` and FSDP2 read it there
+    (a local cut would follow the mesh coordinate instead)."""
+    grid = mesh.mesh
+    ascending = all(bool((grid.diff(dim=d) > 0).all()) for d in range(grid.ndim))
+    src = None if ascending else 0
+    return distribute_tensor(full.clone(), mesh, placements, src_data_rank=src)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -336,8 +345,10 @@ def expected_traffic(ctx: Context, opt: Muon, flatten: bool) -> Traffic:
     for chunk in opt.chunks():
         if not isinstance(chunk, MuonBatch) or not chunk.layout.exchanged:
             continue
-        traffic.exchanged_batches += 1
         units = [(s.param_index, i) for s in chunk.segments for i in range(s.start, s.stop)]
+        if not units:  # planned for experts only other ranks hold: nothing to exchange
+            continue
+        traffic.exchanged_batches += 1
         owners = chunk.owners
         ranks = matrix_shard_group(params[units[0][0]], flatten)
         if ranks is None or tuple(chunk.layout.group.ranks) != ranks:
@@ -485,8 +496,7 @@ def compare_states(
 def _comparable(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``got``'s local shard and the same shard of plain ``want``; or both whole."""
     if isinstance(got, DTensor) and not isinstance(want, DTensor):
-        mesh, placements = got.device_mesh, list(got.placements)
-        shard = distribute_tensor(want.clone(), mesh, placements, src_data_rank=None)
+        shard = _distribute(want, got.device_mesh, list(got.placements))
         return local_tensor(got), local_tensor(shard)
     return full(got), full(want)
 

@@ -47,6 +47,10 @@ class MuonBatch:
     the coordinate along the replicate mesh dim (``layout.replicas.mesh_index``: the same
     on every rank of a shard group, whatever the mesh's rank order) of the replica that
     orthogonalizes this batch for all replicas, or ``None`` when every replica does it itself.
+    ``planned``: how many matrices the batch has on the ranks that hold the most of its
+    parameters (:attr:`MatrixLayout.max_matrices`), where this rank holds fewer (an expert
+    stack split unevenly, or not at all, over the ranks of another mesh dim); ``None``:
+    ``num_matrices``.
     """
 
     index: int
@@ -56,10 +60,15 @@ class MuonBatch:
     partitions: tuple[int, ...] | None = None
     eps: float = 1e-8
     replica: int | None = None
+    planned: int | None = None
 
     @property
     def num_matrices(self) -> int:
         return sum(s.count for s in self.segments)
+
+    @property
+    def planned_matrices(self) -> int:
+        return self.num_matrices if self.planned is None else self.planned
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,10 @@ def _batch_key(entry: PlanEntry) -> tuple:
 
 def _units(entries: list[PlanEntry]) -> list[tuple[int, int]]:
     return [(e.param_index, i) for e in entries for i in range(e.layout.num_matrices)]
+
+
+def _most_matrices(layout: MatrixLayout) -> int:
+    return layout.num_matrices if layout.max_matrices is None else layout.max_matrices
 
 
 def _segments(units: list[tuple[int, int]]) -> list[Segment]:
@@ -180,13 +193,21 @@ def plan_batches(
             k = layout.group.size
             picker = pickers.setdefault(layout.group.ranks, _OwnerPicker(k))
             cost = matrix_cost(layout.rows, layout.cols, first.partitions)
-            for start in range(0, len(units), k):
+            # As many batches, as large, as on the ranks holding the most of these matrices
+            # (empty ones included): every rank then schedules the same exchanged batches,
+            # so the ranks of a group that spans expert groups issue its all-to-alls in
+            # one order (the schedule works through all of a rank's batches at once).
+            slots = max(len(units), sum(_most_matrices(e.layout) for e in group_entries))
+            for start in range(0, slots, k):
                 chunk = units[start : start + k]
-                if rotate_owners:
-                    owners = picker.pick(len(chunk), cost)
-                else:
-                    owners = tuple(range(len(chunk)))
-                exchanged.append(MuonBatch(0, segments=_segments(chunk), owners=owners, **common))
+                planned = min(k, slots - start)
+                owners = picker.pick(planned, cost) if rotate_owners else tuple(range(planned))
+                batch = MuonBatch(
+                    0, segments=_segments(chunk), owners=owners[: len(chunk)], **common
+                )
+                if planned != len(chunk):
+                    batch.planned = planned
+                exchanged.append(batch)
         else:
             size = (
                 len(units)

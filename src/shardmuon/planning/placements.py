@@ -14,8 +14,11 @@ Computed once per parameter, from the parameter alone (no mesh is passed in):
 Every rank of a group computes every other rank's **piece** of a matrix from the placements
 alone (:func:`shardmuon.planning.pieces.shard_ranges`: ``Shard`` is ``torch.chunk``; ``_StridedShard`` is read as
 FSDP2 lays it out): the global rows and columns it holds, as ranges in its local order.
-Pieces are exact (uneven and empty ones included), so nothing is padded. This is the only
-module that reads ``placements``; :mod:`shardmuon.planning.batches` plans batches from its results.
+Pieces are exact (uneven and empty ones included), so nothing is padded. A rank's shard
+along a mesh dim is that of its group rank there, which is its mesh coordinate unless the
+mesh lists the dim's ranks out of ascending order (:mod:`shardmuon.planning.mesh_order`,
+which also refuses the layouts such a mesh makes contradictory). This is the only module
+that reads ``placements``; :mod:`shardmuon.planning.batches` plans batches from its results.
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
 
+from shardmuon.planning.mesh_order import (
+    MeshOrder,
+    holders,
+    mesh_order,
+    most_matrices,
+    order_problem,
+)
 from shardmuon.planning.pieces import Piece, shard_ranges
 
 __all__ = [
@@ -55,8 +65,9 @@ class ShardGroup:
     ranks: tuple[int, ...]
     rank_index: int
     process_group: dist.ProcessGroup = field(compare=False, hash=False, repr=False)
-    # The members in row-major mesh order (DTensor's coordinates), where it differs from
-    # ``ranks``; empty when the two agree.
+    # The members in row-major mesh order (DTensor's coordinates; for replicas, by
+    # coordinate along the replicate dim), where it differs from ``ranks``; empty when the
+    # two agree.
     mesh_ranks: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
     @property
@@ -84,7 +95,8 @@ class MatrixLayout:
     For exchanged params ``group`` is the group of ranks holding pieces of the same matrices
     and ``pieces[j]`` is rank index ``j``'s piece (the same on every rank of the group);
     local params have neither. ``replicas`` is the group along the one ``Replicate`` mesh
-    dim of size > 1 (HSDP's replicate dim), if any: ranks that hold identical shards.
+    dim of size > 1 (HSDP's replicate dim), if any: ranks that hold identical shards, one
+    at each coordinate of that dim (on a permuted mesh not always the mesh's own group).
     """
 
     rows: int
@@ -96,9 +108,11 @@ class MatrixLayout:
     group: ShardGroup | None = None
     pieces: tuple[Piece, ...] = ()
     replicas: ShardGroup | None = None
-    # The pieces by row-major mesh position: what every replica of an HSDP mesh shares even
-    # where its shard group numbers its members differently.
-    mesh_pieces: tuple[Piece, ...] = field(default=(), compare=False)
+    # The pieces by row-major group coordinates: the same for every shard group of a
+    # parameter (every replica of an HSDP mesh), however each numbers its members.
+    grid_pieces: tuple[Piece, ...] = field(default=(), compare=False)
+    # The most matrices any rank of the mesh holds (``None``: ``num_matrices``).
+    max_matrices: int | None = field(default=None, compare=False)
 
     @property
     def exchanged(self) -> bool:
@@ -156,7 +170,8 @@ def local_indices(like: DTensor, dim: int, size: int | None = None) -> list[int]
     ``like``'s). ``Partial`` is not a layout of data and is refused.
     """
     mesh = like.device_mesh
-    coordinate = mesh.get_coordinate()
+    # Group ranks, as FSDP2 and distribute_tensor place shards (see mesh_order).
+    coordinate = mesh_order(mesh).group_coordinate_of(dist.get_rank())
     ndim = like.ndim
     size = like.shape[dim] if size is None else size
     dim_splits: list[tuple[int, int, int]] = []
@@ -257,6 +272,7 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
     # (mesh dim, matrix axis, split factor) of every shard of a matrix dim, in mesh order.
     shards: list[tuple[int, int, int]] = []
     replicate_dims = []
+    batch_shard_dims = []  # mesh dims that shard only batch dims (experts)
     for mesh_dim, placement in enumerate(param.placements):
         if isinstance(placement, Partial):
             raise ValueError(
@@ -270,6 +286,7 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
             continue
         dim = placement.dim % param.ndim
         if dim not in matrix_dims:
+            batch_shard_dims.append(mesh_dim)
             continue
         if flatten and dim != 0:
             raise NotImplementedError(
@@ -278,25 +295,35 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
             )
         axis = 0 if dim == row_dim else 1
         shards.append((mesh_dim, axis, _split_factor(name, param, placement)))
+    mesh_dims = tuple(m for m, _, _ in shards)
+    order = mesh_order(mesh)
+    problem = order_problem(order, tuple(param.shape), tuple(param.placements), mesh_dims)
+    if problem is not None:
+        # Decided from the mesh, placements and shape alone: every rank raises alike.
+        raise ValueError(
+            f"parameter {_describe(name, param)} on a device mesh of ranks "
+            f"{mesh.mesh.tolist()}: {problem}. Build the mesh with the ranks of every dim "
+            "in ascending order (init_device_mesh does)"
+        )
     if len(replicate_dims) == 1:
-        base["replicas"] = _mesh_group(mesh, replicate_dims[0])
+        base["replicas"] = _replica_group(mesh, order, replicate_dims[0])
     if not shards:
         return MatrixLayout(**base)
-    group, mesh_ranks = _shard_group(mesh, tuple(m for m, _, _ in shards))
+    group = _exchange_group(mesh, order, mesh_dims, replicate_dims, batch_shard_dims)
     # One mesh dim holds one placement: each shard is its own dim of the group's grid.
     spec = tuple((mesh.size(m), axis, sf) for m, axis, sf in shards)
-    mesh_pieces = group_pieces(rows, cols, spec)
-    pieces = _in_group_order(mesh_pieces, mesh_ranks, group)
+    grid_pieces = group_pieces(rows, cols, spec)
+    pieces = _in_group_order(grid_pieces, order, mesh_dims, group)
     own = pieces[group.rank_index].shape
     if own != (local_rows, local_cols) and any(sf > 1 for _, _, sf in shards):
         # Laid out by _StridedShard._split_tensor (distribute_tensor), not by FSDP2: where
         # the two differ only some ranks can see it. Those take the other reading, so the
         # group's pieces disagree and the first step's agreement check raises on every
         # rank, instead of this rank raising alone and its peers hanging.
-        other_mesh = group_pieces(rows, cols, spec, fsdp_order=False)
-        other = _in_group_order(other_mesh, mesh_ranks, group)
+        other_grid = group_pieces(rows, cols, spec, fsdp_order=False)
+        other = _in_group_order(other_grid, order, mesh_dims, group)
         if other[group.rank_index].shape == (local_rows, local_cols):
-            pieces, mesh_pieces, own = other, other_mesh, (local_rows, local_cols)
+            pieces, grid_pieces, own = other, other_grid, (local_rows, local_cols)
     if own != (local_rows, local_cols):
         raise RuntimeError(
             f"parameter {_describe(name, param)}: local matrix shape {(local_rows, local_cols)} "
@@ -304,7 +331,11 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
             f"(rows {list(pieces[group.rank_index].rows)}, cols "
             f"{list(pieces[group.rank_index].cols)})"
         )
-    return MatrixLayout(**base, group=group, pieces=pieces, mesh_pieces=mesh_pieces)
+    batch_dims = () if flatten else tuple(range(param.ndim - 2))
+    most = most_matrices(order, tuple(param.shape), tuple(param.placements), batch_dims)
+    return MatrixLayout(
+        **base, group=group, pieces=pieces, grid_pieces=grid_pieces, max_matrices=most
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -315,7 +346,7 @@ def group_pieces(
 
     ``spec``: the matrix-dim shards in mesh-dim order, each ``(mesh dim size, axis,
     split_factor)`` with axis 0 for rows and 1 for columns; rank index ``j`` is the
-    row-major position of its coordinates on those mesh dims. Pure and cached (parameters
+    row-major position of its group coordinates on those mesh dims. Pure and cached (parameters
     of one shape and layout share the result; a group of 1024 ranks takes milliseconds).
     """
     sizes = [size for size, _, _ in spec]
@@ -341,19 +372,12 @@ def _unravel(index: int, sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 def _in_group_order(
-    pieces: tuple[Piece, ...], mesh_ranks: tuple[int, ...], group: ShardGroup
+    grid: tuple[Piece, ...], order: MeshOrder, mesh_dims: tuple[int, ...], group: ShardGroup
 ) -> tuple[Piece, ...]:
-    """``pieces`` (by row-major mesh position) reordered by rank index in ``group``.
-
-    DTensor gives a rank the piece of its mesh coordinate, while a process group numbers
-    its members in ascending global rank, whatever order the mesh lists them in (a mesh
-    built from a permuted rank tensor, a reversed 1-D mesh). All-to-all splits and owners
-    count in the group's numbering, so the pieces must too.
-    """
-    if mesh_ranks == group.ranks:
-        return pieces
-    by_rank = dict(zip(mesh_ranks, pieces))
-    return tuple(by_rank[rank] for rank in group.ranks)
+    """``grid`` (by row-major group coordinates on ``mesh_dims``: what each rank holds, see
+    :mod:`shardmuon.planning.mesh_order`) by rank index in ``group``, the numbering
+    all-to-all splits and owners count in."""
+    return tuple(grid[order.grid_index(rank, mesh_dims)] for rank in group.ranks)
 
 
 def _group_of(process_group: dist.ProcessGroup, mesh_ranks: tuple[int, ...]) -> ShardGroup:
@@ -381,18 +405,75 @@ def _mesh_group(mesh, mesh_dim: int) -> ShardGroup:
     return _group_of(mesh.get_group(mesh_dim), _mesh_ranks(mesh, (mesh_dim,)))
 
 
-# Groups this module created over flattened mesh dims, by their sorted global ranks.
+def _exchange_group(
+    mesh, order: MeshOrder, mesh_dims: tuple[int, ...], replicate_dims: list, batch_dims: list
+) -> ShardGroup:
+    """The ranks holding the pieces of this rank's matrices, in this replica: those at its
+    coordinates on the replicate dims and at its group coordinates on the batch dims.
+
+    The mesh's own groups over ``mesh_dims`` (flattened if several), unless a permuted mesh
+    lists a later batch dim (experts) in different orders along them: then groups of
+    exactly these ranks (:func:`_part_group`).
+    """
+    parts = holders(order, replicate_dims, batch_dims)
+    others = [d for d in range(order.grid.ndim) if d not in mesh_dims]
+    if parts == holders(order, others, ()):
+        return _shard_group(mesh, mesh_dims)[0]
+    members = _part_of(parts)
+    return _group_of(_part_group(parts, members), members)
+
+
+def _replica_group(mesh, order: MeshOrder, mesh_dim: int) -> ShardGroup:
+    """The ranks holding this rank's shards, one at each coordinate of replicate dim
+    ``mesh_dim``: those at the same group coordinates on every other mesh dim.
+
+    The mesh's own groups along ``mesh_dim``, unless a permuted mesh lists the later dims
+    in other orders at other coordinates of it (a leading replicate dim is broadcast before
+    DTensor scatters): then groups of exactly these ranks (:func:`_part_group`).
+    """
+    others = [d for d in range(order.grid.ndim) if d != mesh_dim]
+    parts = holders(order, (), others)
+    if parts == holders(order, others, ()):
+        return _mesh_group(mesh, mesh_dim)
+    members = _part_of(parts)
+    in_mesh_order = tuple(sorted(members, key=lambda r: order.coordinate_of(r)[mesh_dim]))
+    return _group_of(_part_group(parts, members), in_mesh_order)
+
+
+def _part_of(parts: frozenset[tuple[int, ...]]) -> tuple[int, ...]:
+    """The part holding this rank."""
+    me = dist.get_rank()
+    return next(part for part in parts if me in part)
+
+
+# Groups this module made (flattened mesh dims, groups off the mesh's own), by their sorted
+# global ranks, and the partitions of a mesh's ranks made into such groups.
 _FLATTENED_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_MADE_PARTITIONS: set[frozenset[tuple[int, ...]]] = set()
+
+
+def _part_group(parts: frozenset[tuple[int, ...]], members: tuple[int, ...]) -> dist.ProcessGroup:
+    """The group of ``members`` (sorted), one part of ``parts`` (a partition of a mesh's ranks
+    that all its ranks compute alike), made by those ranks only (``use_local_synchronization``:
+    ranks off the mesh, such as other pipeline stages, need not take part).
+
+    torch 2.13 names such a group by its ranks and by how many groups the caller already
+    has, so its members must have made equally many: every rank of the mesh makes its part's
+    group the first time the partition is needed, even if it made one of those ranks before.
+    """
+    if parts not in _MADE_PARTITIONS:
+        _FLATTENED_GROUPS[members] = dist.new_group(list(members), use_local_synchronization=True)
+        _MADE_PARTITIONS.add(parts)
+    return _FLATTENED_GROUPS[members]
 
 
 def _shard_group(mesh, mesh_dims: tuple[int, ...]) -> tuple[ShardGroup, tuple[int, ...]]:
     """The group over ``mesh_dims`` that holds this rank, and its members in row-major mesh
-    order (the order :func:`group_pieces` numbers pieces in).
+    order.
 
     One mesh dim: its own group. Several: a flattened mesh over the same ranks the user made
-    (``mesh[...]._flatten()``) if there is one, else a group of exactly these ranks, made
-    once, by these ranks only (``use_local_synchronization``: ranks that hold no such
-    matrix, such as other pipeline stages, need not take part).
+    (``mesh[...]._flatten()``) if there is one, else a group of exactly these ranks
+    (:func:`_part_group`).
     """
     mesh_ranks = _mesh_ranks(mesh, mesh_dims)
     if len(mesh_dims) == 1:
@@ -400,10 +481,9 @@ def _shard_group(mesh, mesh_dims: tuple[int, ...]) -> tuple[ShardGroup, tuple[in
     members = tuple(sorted(mesh_ranks))
     process_group = _existing_flattened_group(mesh, members)
     if process_group is None:
-        process_group = _FLATTENED_GROUPS.get(members)
-    if process_group is None:
-        process_group = dist.new_group(list(members), use_local_synchronization=True)
-        _FLATTENED_GROUPS[members] = process_group
+        order = mesh_order(mesh)
+        others = [d for d in range(order.grid.ndim) if d not in mesh_dims]
+        process_group = _part_group(holders(order, others, ()), members)
     return _group_of(process_group, mesh_ranks), mesh_ranks
 
 

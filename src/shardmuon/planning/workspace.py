@@ -106,13 +106,17 @@ def schedule_bytes(batch: MuonBatch, cost: EngineCost = DEFAULT_COST) -> BatchBy
     """
     layout = batch.layout
     if layout.exchanged:
-        return _exchanged_bytes(batch, layout.largest_piece_numel, bool(batch.owners), cost)
+        # As planned: a batch this rank holds fewer matrices of is as large elsewhere.
+        count = batch.planned_matrices
+        return _exchanged_bytes(batch, layout.largest_piece_numel, count > 0, cost, count)
     return _local_bytes(batch, cost)
 
 
-def _exchanged_bytes(batch: MuonBatch, piece: int, owned: bool, cost: EngineCost) -> BatchBytes:
+def _exchanged_bytes(
+    batch: MuonBatch, piece: int, owned: bool, cost: EngineCost, count: int | None = None
+) -> BatchBytes:
     layout = batch.layout
-    own = batch.num_matrices * piece
+    own = (batch.num_matrices if count is None else count) * piece
     whole = layout.rows * layout.cols if owned else 0
     held = 2 * BF16 * own + 2 * BF16 * whole
     compute = (

@@ -17,7 +17,10 @@ The groups are those of the shard dims (the all-to-alls) and of the replicate di
 ``split_replicas`` broadcasts; where HSDP replicas must stay identical), visited in sorted
 order of their ranks, so two ranks that share groups call their collectives in the same
 order. Fields that legitimately differ between members (which shard group a replica sits
-in) are described by size and position only.
+in) are described by size and pieces only, and the order of the step's collectives lists
+only those issued over the group described: its members legitimately issue different
+collectives over the other groups each of them belongs to (a replica whose shard group
+also exchanges an expert stack its peer replica's group does not hold).
 
 When the hashes differ (and only then), the members gather each other's descriptions — all
 of them saw the same verdict, so all join — and the error names the first item and field
@@ -60,10 +63,10 @@ def agreement_groups(batches: Iterable[MuonBatch]) -> list[ShardGroup]:
 
 
 def _shard_group_seen_by_replicas(layout) -> tuple[int, int, int]:
-    """A replica's shard group as its peer replicas see it: its size, this rank's mesh
-    position in it and its pieces by mesh position (the same on every replica, even where a
-    permuted mesh numbers the members of each replica's group differently)."""
-    return layout.group.size, layout.group.mesh_index, hash(layout.mesh_pieces)
+    """A replica's shard group as its peer replicas see it: its size, this rank's piece and
+    the pieces by group coordinates (the same on every replica, even where a permuted mesh
+    numbers the members of each replica's group differently)."""
+    return layout.group.size, hash(layout.local_piece), hash(layout.grid_pieces)
 
 
 def _value(setting) -> object:
@@ -174,7 +177,7 @@ def describe(
             flags.append(present)
             if not present:
                 missing.append(tuple(param.shape))
-    order = collective_order(ops, batches, position)
+    order = collective_order(ops, batches, position, ranks)
     described.append(("the order of the step's collectives", (("order", tuple(order)),)))
     return described, flags, missing
 
@@ -222,23 +225,33 @@ def first_difference(descriptions: Sequence[Sequence[Entry]], ranks: Sequence[in
 
 
 def collective_order(
-    ops: Sequence[tuple[str, int]], batches: Sequence[MuonBatch], position: dict[int, int]
+    ops: Sequence[tuple[str, int]],
+    batches: Sequence[MuonBatch],
+    position: dict[int, int],
+    ranks: tuple[int, ...] | None = None,
 ) -> list[tuple[str, int]]:
-    """The step's collectives among the batches of ``position``, in the order this rank
-    issues them: ``("gather"|"return"|"broadcast", position)``.
+    """The step's collectives over group ``ranks`` among the batches of ``position``, in the
+    order this rank issues them: ``("gather"|"return"|"broadcast", position)``
+    (``ranks=None``: over every group).
 
     Collectives over one group must be issued in the same order by all its members; the
     order follows from the schedule (:func:`shardmuon.planning.workspace.step_schedule`), so equal
-    descriptions prove it pairs up, whatever made two ranks' schedules differ.
+    descriptions prove it pairs up, whatever made two ranks' schedules differ. Those over
+    other groups are left out: how a replica's exchanges interleave with its broadcasts
+    depends on what else its own shard group holds, which its peers need not share.
     """
     order = []
     for phase, i in ops:
         if i not in position:
             continue
-        batch = batches[i]
-        if batch.layout.exchanged and phase in ("prepare", "compute"):
+        layout = batches[i].layout
+        exchanges_here = layout.exchanged and (ranks is None or layout.group.ranks == ranks)
+        if exchanges_here and phase in ("prepare", "compute"):
             order.append(("gather" if phase == "prepare" else "return", position[i]))
-        if batch.replica is not None and phase == "finish":
+        broadcasts_here = ranks is None or (
+            layout.replicas is not None and layout.replicas.ranks == ranks
+        )
+        if batches[i].replica is not None and broadcasts_here and phase == "finish":
             order.append(("broadcast", position[i]))
     return order
 
