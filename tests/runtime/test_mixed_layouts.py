@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dist_mixed_layout_cases
 import pytest
-from dist_harness import launch_world
+from dist_harness import worlds_one_at_a_time
 
 WORLD_SIZES = (2, 3, 4)
 WORLD_CASES = [
@@ -18,27 +18,13 @@ WORLD_CASES = [
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
-    launched = {}
-
-    def world(size: int):
-        if size not in launched:
-            for other in launched.values():
-                other.wait()
-            launched[size] = launch_world(
-                size,
-                "dist_mixed_layout_cases:CASES",
-                dist_mixed_layout_cases.cases_for(size),
-                tmp_path_factory.mktemp(f"mixed_layouts{size}"),
-                timeout_s=600.0,
-                collective_timeout_s=60.0,
-            )
-        return launched[size]
-
-    try:
+    with worlds_one_at_a_time(
+        "dist_mixed_layout_cases:CASES",
+        dist_mixed_layout_cases.cases_for,
+        tmp_path_factory.mktemp,
+        timeout_s=600.0,
+    ) as world:
         yield world
-    finally:
-        for w in launched.values():
-            w.kill()
 
 
 @pytest.mark.slow

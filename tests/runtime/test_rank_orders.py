@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dist_rank_order_cases
 import pytest
-from dist_harness import launch_world
+from dist_harness import worlds_one_at_a_time
 
 WORLD_SIZES = (2, 3, 4, 8)
 WORLD_CASES = [
@@ -19,27 +19,13 @@ WORLD_CASES = [
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
-    launched = {}
-
-    def world(size: int):
-        if size not in launched:
-            for other in launched.values():
-                other.wait()
-            launched[size] = launch_world(
-                size,
-                "dist_rank_order_cases:CASES",
-                dist_rank_order_cases.cases_for(size),
-                tmp_path_factory.mktemp(f"rank_orders{size}"),
-                timeout_s=900.0,
-                collective_timeout_s=60.0,
-            )
-        return launched[size]
-
-    try:
+    with worlds_one_at_a_time(
+        "dist_rank_order_cases:CASES",
+        dist_rank_order_cases.cases_for,
+        tmp_path_factory.mktemp,
+        timeout_s=900.0,
+    ) as world:
         yield world
-    finally:
-        for w in launched.values():
-            w.kill()
 
 
 @pytest.mark.slow

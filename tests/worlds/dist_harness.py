@@ -32,7 +32,15 @@ from pathlib import Path
 
 from shardmuon.harness.processes import exit_worker
 
-__all__ = ["CaseResult", "WorkerContext", "World", "free_ports", "launch_world", "worlds_running"]
+__all__ = [
+    "CaseResult",
+    "WorkerContext",
+    "World",
+    "free_ports",
+    "launch_world",
+    "worlds_one_at_a_time",
+    "worlds_running",
+]
 
 # Lines of a rank's log shown when the world failed without a per-case result.
 LOG_TAIL_LINES = 25
@@ -286,3 +294,38 @@ def worlds_running(
     finally:
         for world in launched.values():
             world.kill()
+
+
+@contextlib.contextmanager
+def worlds_one_at_a_time(
+    cases_spec: str,
+    cases_for: Callable[[int], list[str]],
+    make_dir: Callable[[str], Path],
+    *,
+    timeout_s: float = 600.0,
+    collective_timeout_s: float = 60.0,
+):
+    """Yield ``world(size)``, which launches the world of that size on first use (after the
+    ones before it have finished: at most one world's processes at a time, for large
+    worlds on a small machine); kill them all on exit."""
+    launched: dict[int, World] = {}
+
+    def world(size: int) -> World:
+        if size not in launched:
+            for other in launched.values():
+                other.wait()
+            launched[size] = launch_world(
+                size,
+                cases_spec,
+                cases_for(size),
+                make_dir(f"{cases_spec.split(':')[0]}{size}"),
+                timeout_s=timeout_s,
+                collective_timeout_s=collective_timeout_s,
+            )
+        return launched[size]
+
+    try:
+        yield world
+    finally:
+        for running in launched.values():
+            running.kill()

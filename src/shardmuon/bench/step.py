@@ -202,7 +202,7 @@ def add_parser(subparsers) -> None:
         "--coefficients",
         choices=sorted(NS_PRESETS),
         default=None,
-        help="Newton-Schulz coefficient preset (default: dion; 'aol' with --ns-preconditioner aol)",
+        help="Newton-Schulz coefficient preset; with --ns-preconditioner aol: aol (default: dion)",
     )
     add_hidden_alias(p, "--preset", "coefficients", choices=sorted(NS_PRESETS))
     p.add_argument(
