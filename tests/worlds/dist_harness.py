@@ -36,6 +36,7 @@ __all__ = [
     "CaseResult",
     "WorkerContext",
     "World",
+    "case_registry",
     "free_ports",
     "launch_world",
     "worlds_one_at_a_time",
@@ -329,3 +330,22 @@ def worlds_one_at_a_time(
     finally:
         for running in launched.values():
             running.kill()
+
+
+def case_registry() -> tuple[dict[str, Callable], Callable, Callable[[int], list[str]]]:
+    """A cases module's registry: ``(CASES, case, cases_for)``, where ``@case(name, worlds)``
+    registers a case for those world sizes and ``cases_for(size)`` lists them."""
+    cases: dict[str, Callable] = {}
+    worlds: dict[str, tuple[int, ...]] = {}
+
+    def case(name: str, sizes: tuple[int, ...]):
+        def register(fn: Callable) -> Callable:
+            cases[name], worlds[name] = fn, sizes
+            return fn
+
+        return register
+
+    def cases_for(world_size: int) -> list[str]:
+        return [name for name in cases if world_size in worlds[name]]
+
+    return cases, case, cases_for

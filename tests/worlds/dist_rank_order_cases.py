@@ -15,30 +15,16 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable
 
 import torch
 from dist_checks import S0, S1, S2, R, fail_on
-from dist_harness import WorkerContext
+from dist_harness import WorkerContext, case_registry
 from dist_roundtrip import Param, check_layouts
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["CASES", "cases_for"]
 
-CASES: dict[str, Callable[[WorkerContext], None]] = {}
-WORLDS: dict[str, tuple[int, ...]] = {}
-
-
-def case(name: str, worlds: tuple[int, ...]):
-    def register(fn: Callable[[WorkerContext], None]) -> Callable[[WorkerContext], None]:
-        CASES[name], WORLDS[name] = fn, worlds
-        return fn
-
-    return register
-
-
-def cases_for(world_size: int) -> list[str]:
-    return [name for name in CASES if world_size in WORLDS[name]]
+CASES, case, cases_for = case_registry()
 
 
 def _mesh(order: list[int], shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:

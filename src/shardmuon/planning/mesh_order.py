@@ -64,7 +64,7 @@ class MeshOrder:
     @functools.cached_property
     def _where(self) -> dict[int, tuple[int, ...]]:
         shape = tuple(self.grid.shape)
-        return {rank: _unravel(i, shape) for i, rank in enumerate(self.ranks())}
+        return {rank: unravel(i, shape) for i, rank in enumerate(self.ranks())}
 
     @functools.cached_property
     def _group_where(self) -> dict[int, tuple[int, ...]]:
@@ -103,7 +103,8 @@ def _order(ranks: tuple[int, ...], shape: tuple[int, ...]) -> MeshOrder:
     return MeshOrder(grid, group_grid, permuted)
 
 
-def _unravel(index: int, shape: Sequence[int]) -> tuple[int, ...]:
+def unravel(index: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major coordinates of ``index`` in a grid of ``shape``."""
     coordinate = []
     for size in reversed(shape):
         index, c = divmod(index, size)

@@ -40,6 +40,7 @@ from shardmuon.planning.mesh_order import (
     mesh_order,
     most_matrices,
     order_problem,
+    unravel,
 )
 from shardmuon.planning.pieces import Piece, shard_ranges
 
@@ -352,7 +353,7 @@ def group_pieces(
     sizes = [size for size, _, _ in spec]
     pieces = []
     for index in range(math.prod(sizes)):
-        coordinate = _unravel(index, sizes)
+        coordinate = unravel(index, sizes)
         splits = [
             [(size, c, sf) for (size, a, sf), c in zip(spec, coordinate) if a == axis]
             for axis in (0, 1)
@@ -360,15 +361,6 @@ def group_pieces(
         row_ranges = shard_ranges(rows, splits[0], fsdp_order)
         pieces.append(Piece(row_ranges, shard_ranges(cols, splits[1], fsdp_order)))
     return tuple(pieces)
-
-
-def _unravel(index: int, sizes: Sequence[int]) -> tuple[int, ...]:
-    """Row-major coordinates of ``index`` in a grid of ``sizes``."""
-    coordinate = []
-    for size in reversed(sizes):
-        index, c = divmod(index, size)
-        coordinate.append(c)
-    return tuple(reversed(coordinate))
 
 
 def _in_group_order(
