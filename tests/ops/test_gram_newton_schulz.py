@@ -153,10 +153,19 @@ def test_bf16_gram_with_its_default_gemms_does_not_diverge_where_bf16_gemms_do(p
         assert verdict.fallbacks == 0, (gemm_dtype, verdict)
         assert error(out, reference) <= standard, gemm_dtype
     if preset == "deepseek-v4":
-        _, verdict = guarded(
-            G, lambda X: newton_schulz_gram(X, preset, gemm_dtype=torch.bfloat16), preset, 1e-8
-        )
-        assert verdict.fallbacks == 3
+        # Which matrices land above the slack depends on the CPU's bf16 GEMM rounding (all
+        # three with AVX-512 bf16, two of three on AVX2): the guard must recompute exactly
+        # those, judged by an fp64 SVD of what the iteration returned.
+        diverged = newton_schulz_gram(G, preset, gemm_dtype=torch.bfloat16)
+        above = [
+            not bool(torch.isfinite(result).all())
+            or float(torch.linalg.svdvals(result.double())[0])
+            > 1.15 * band_high(NS_PRESETS[preset])
+            for result in diverged
+        ]
+        _, verdict = guarded(G, lambda X: diverged.clone(), preset, 1e-8)
+        assert sum(above) >= 2
+        assert verdict.fallbacks == sum(above)
 
 
 def test_the_guard_recomputes_only_the_bad_matrix_and_flags_non_finite_results() -> None:
