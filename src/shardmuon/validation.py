@@ -37,6 +37,7 @@ __all__ = [
     "check_group",
     "check_group_settings",
     "check_int",
+    "check_live_groups",
     "check_mesh",
     "check_number",
     "check_optimizer_settings",
@@ -354,3 +355,13 @@ def group_defaults(
         flatten=flatten,
         adjust_lr=adjust_lr,
     )
+
+
+def check_live_groups(param_groups: list[dict]) -> None:
+    """The per-step checks of every group's live settings (all checked before the momentum
+    alias is applied to any, so that a failure changes nothing)."""
+    for index, group in enumerate(param_groups):
+        check_momentum_alias(index, group)
+    for index, group in enumerate(param_groups):
+        apply_momentum_alias(index, group)
+        check_group_settings(index, group)

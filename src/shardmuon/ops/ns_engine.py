@@ -33,9 +33,11 @@ __all__ = [
     "NS_CHOICES",
     "NS_DTYPES",
     "EngineCost",
+    "NewtonSchulzSettings",
     "Orthogonalizer",
     "auto_choice",
     "guard_enabled",
+    "live_coefficients",
     "resolve_ns_dtype",
 ]
 
@@ -107,7 +109,7 @@ class EngineCost:
             iteration += size * small + 2 * FP32 * small + FP32 * total + 2 * FP32 * count * m
         peak = max(division, rare, iteration, cast)
         if guard_enabled(name, self.guard):
-            # O in fp32 and A = O O^T, its cleaned copy, the eigensolver's input and output;
+            # O in fp32 and A = O O^T, its cleaned copy, the Cholesky test's input and factor;
             # a recompute: one matrix's fp32 input and standard iteration.
             check = BF16 * total + FP32 * total + 4 * FP32 * small
             fp32_one = FP32 * m * n
@@ -193,3 +195,71 @@ class Orthogonalizer:
         out, verdict = guarded(X, run, coeffs, eps, preconditioner=self.preconditioner)
         self._verdicts.append(verdict)
         return out
+
+
+@dataclass(frozen=True)
+class NewtonSchulzSettings:
+    """One optimizer's Newton–Schulz settings, resolved (the restarts checked, the dtype a
+    torch dtype, the coefficients a tuple): what its engine, its cost model and ``"auto"``'s
+    calibration key are built from, in one place."""
+
+    impl: str
+    dtype: torch.dtype
+    restarts: tuple[int, ...] | None
+    guard: bool | None
+    preconditioner: str | None
+    coefficients: Coefficients
+
+    def orthogonalizer(
+        self, choices: dict[tuple[int, int], str] | None = None, impl: str | None = None
+    ) -> Orthogonalizer:
+        """The engine these settings run (``impl``: one candidate of ``"auto"`` instead,
+        with the restarts only if it takes them)."""
+        name = impl or self.impl
+        takes_restarts = any(e.takes_restarts for e in engines_of(name))
+        return Orthogonalizer(
+            name,
+            self.dtype,
+            self.restarts if takes_restarts else None,
+            guard=self.guard,
+            preconditioner=self.preconditioner,
+            choices=choices,
+        )
+
+    def cost(self, device_type: str) -> EngineCost:
+        """The cost model the plan's workspace estimate and owner balancing read."""
+        return EngineCost(
+            impl=self.impl,
+            dtype=self.dtype,
+            restarts=self.restarts,
+            guard=self.guard,
+            coefficients=self.coefficients,
+            device_type=device_type,
+            preconditioner=self.preconditioner,
+        )
+
+    def calibration_key(self, device: torch.device) -> tuple:
+        """What ``"auto"``'s measured choices depend on (everything but the impl)."""
+        return (
+            str(device),
+            str(self.dtype),
+            self.preconditioner,
+            self.coefficients,
+            self.restarts,
+            self.guard,
+        )
+
+
+def live_coefficients(
+    value, default: Coefficients | None, preconditioner: str | None
+) -> tuple[Coefficients, Coefficients | None]:
+    """``(coefficients, default)`` as the iteration reads them from a live optimizer's
+    ``coefficients`` attribute: a preset name or a list is resolved; ``None``, or the
+    default object itself, is the default, which follows the preconditioner (dion's 5
+    steps, AOL's 4) until coefficients are given."""
+    if value is None or value is default:
+        default = resolve_coefficients("aol" if preconditioner == "aol" else None)
+        return default, default
+    if isinstance(value, tuple) and all(isinstance(t, tuple) for t in value):
+        return value, default
+    return resolve_coefficients(value), default

@@ -17,17 +17,13 @@ __all__ = ["ADJUST_LR_CHOICES", "direction", "lr_scale", "momentum_update_", "we
 ADJUST_LR_CHOICES = ("rms_norm", "spectral_norm", "keller_muon", None)
 
 
-def momentum_update_(momentum: Tensor, grad: Tensor, mu: float, nesterov: bool) -> Tensor:
-    """``M = mu*M + G`` in place; return the direction to orthogonalize.
-
-    Returns ``mu*M + G`` (a new tensor) with Nesterov, else ``M`` itself. Shapes match;
-    the grad is cast to the momentum dtype first (as dion does).
-    """
+def momentum_update_(momentum: Tensor, grad: Tensor, mu: float) -> None:
+    """``M = mu*M + G`` in place (shapes match; the grad cast to the momentum dtype first,
+    as dion does). The direction is :func:`direction`'s."""
     # Cast first: after the in-place ops start, nothing may allocate (a failure there would
     # leave M half-updated, and a resumed step would update it again).
     grad = grad.to(momentum.dtype)
     momentum.mul_(mu).add_(grad)
-    return direction(momentum, grad, mu, nesterov)
 
 
 def direction(momentum: Tensor, grad: Tensor, mu: float, nesterov: bool) -> Tensor:

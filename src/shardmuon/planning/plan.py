@@ -18,7 +18,7 @@ from shardmuon.planning.batches import MuonBatch, PlanEntry, plan_batches
 from shardmuon.planning.placements import MatrixLayout, matrix_layout
 from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES, local_batch_size
 
-__all__ = ["AdamWChunk", "ChunkInfo", "Plan", "build_plan", "plan_settings", "setting_float"]
+__all__ = ["AdamWChunk", "ChunkInfo", "Plan", "build_plan", "plan_key", "setting_float"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Plan:
     ns_cost: EngineCost = DEFAULT_COST
 
 
-def plan_settings(
+def plan_key(
     param_groups: list[dict],
     matrix_partitions: dict[Tensor, Sequence[int]],
     update_rms: float,

@@ -28,6 +28,7 @@ from shardmuon.planning.batches import MuonBatch
 __all__ = [
     "DEFAULT_WORKSPACE_BYTES",
     "BatchBytes",
+    "ScheduleCache",
     "batch_bytes",
     "local_batch_size",
     "newton_schulz_bytes",
@@ -256,3 +257,19 @@ def workspace_peak_bytes(
     """The estimated peak transient bytes of one step's Muon batches on this rank."""
     ops = step_schedule(batches, budget, max_in_flight, cost)
     return peak_of_schedule(ops, [batch_bytes(b, cost) for b in batches])
+
+
+class ScheduleCache:
+    """One optimizer's step schedule, recomputed only when the plan, the budget or
+    ``max_in_flight`` changed (the agreement check and the step read the same one)."""
+
+    def __init__(self) -> None:
+        self._source: tuple | None = None
+        self._ops: list[tuple[str, int]] = []
+
+    def get(self, plan, budget: int, max_in_flight: int) -> list[tuple[str, int]]:
+        source = (id(plan), budget, max_in_flight)
+        if source != self._source:
+            self._ops = step_schedule(plan.batches, budget, max_in_flight, plan.ns_cost)
+            self._source = source
+        return self._ops

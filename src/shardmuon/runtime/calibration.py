@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from shardmuon.ops.engines import AUTO_CANDIDATES
-from shardmuon.ops.ns_engine import Orthogonalizer
+from shardmuon.ops.ns_engine import NewtonSchulzSettings, Orthogonalizer
 from shardmuon.planning.batches import MuonBatch
 
-__all__ = ["ShapeClass", "calibrate", "plan_shape_classes", "time_engines"]
+__all__ = ["ShapeClass", "calibrate", "calibrate_plan", "plan_shape_classes", "time_engines"]
 
 ShapeClass = tuple[int, int]
 TIMED_REPEATS = 3
@@ -122,3 +122,19 @@ def calibrate(
         table = box[0]
     cache.update(table)  # rank 0's word, also for classes this rank had cached otherwise
     return table
+
+
+def calibrate_plan(
+    batches: Iterable[MuonBatch], ns: NewtonSchulzSettings, device: torch.device, eps: float
+) -> dict[ShapeClass, str]:
+    """:func:`calibrate` for an optimizer: its plan's shape classes, candidates built from
+    its Newton–Schulz settings, cached under their calibration key. Collective, as
+    :func:`calibrate` is."""
+    return calibrate(
+        plan_shape_classes(batches),
+        ns.calibration_key(device),
+        lambda name: ns.orthogonalizer(impl=name),
+        device,
+        ns.coefficients,
+        float(eps),
+    )

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from shardmuon.runtime.telemetry import StepStats
 
-__all__ = ["OFFLOAD_CHOICES", "StateStager", "host_copy"]
+__all__ = ["OFFLOAD_CHOICES", "StateStager", "host_copy", "stager_for"]
 
 OFFLOAD_CHOICES = (None, "state")
 
@@ -135,3 +135,14 @@ class StateStager:
         if self._stored is not None:
             self._stored.synchronize()
             self._stored = None
+
+
+def stager_for(
+    existing: StateStager | None, device: torch.device, prefetch: int, stats: StepStats
+) -> StateStager:
+    """``existing`` if it stages ``prefetch`` chunks ahead (now reporting into ``stats``),
+    else a new stager."""
+    if existing is None or existing.prefetch != prefetch:
+        return StateStager(device, prefetch, stats)
+    existing.stats = stats
+    return existing

@@ -55,8 +55,8 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class GroupSettings:
-    """A param group's per-step settings as Python numbers (read once per round)."""
+class GroupHyperparams:
+    """A param group's hyperparameters as Python numbers (read once per round)."""
 
     lr: float
     weight_decay: float
@@ -72,15 +72,15 @@ class StepContext:
     param_groups: list[dict]
     state: dict
     stats: StepStats
-    newton_schulz: Orthogonalizer
+    orthogonalizer: Orthogonalizer
     coefficients: tuple
     device: torch.device
-    workspace_bytes: int | None = None
-    settings: list[GroupSettings] = field(default_factory=list)
+    workspace_bytes: int
+    hyperparams: list[GroupHyperparams] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.settings = [
-            GroupSettings(
+        self.hyperparams = [
+            GroupHyperparams(
                 lr=setting_float(g["lr"]),
                 weight_decay=setting_float(g["weight_decay"]),
                 mu=setting_float(g.get("mu", 0.0)),
@@ -89,8 +89,8 @@ class StepContext:
             for g in self.param_groups
         ]
 
-    def group_settings(self, param_index: int) -> GroupSettings:
-        return self.settings[self.plan.group_of[param_index]]
+    def hyperparams_of(self, param_index: int) -> GroupHyperparams:
+        return self.hyperparams[self.plan.group_of[param_index]]
 
     def matrices(self, index: int, tensor: Tensor) -> Tensor:
         """The ``[N, rows, cols]`` view of Muon parameter ``index``'s local shard (or state).
@@ -128,9 +128,9 @@ class StepContext:
 
         def ns(X: Tensor) -> Tensor:
             stats.ns_calls.append((X.size(0), X.size(1), X.size(2)))
-            out = self.newton_schulz(X, self.coefficients, batch.eps)
+            out = self.orthogonalizer(X, self.coefficients, batch.eps)
             # What the call saw, from its own normalisation: no pass over the directions.
-            masks, verdicts = self.newton_schulz.take_report()
+            masks, verdicts = self.orthogonalizer.take_report()
             stats.nonfinite_counts.extend(mask.sum() for mask in masks)
             for verdict in verdicts:
                 stats.ns_checked += verdict.checked
@@ -217,7 +217,7 @@ def _update_momentum(ctx: StepContext, run: BatchRun) -> None:
         momentum, commit = _segment_momentum(ctx, run, k)
         grad = ctx.matrices(seg.param_index, plan.params[seg.param_index].grad)
         momentum_update_(
-            momentum, grad[seg.start : seg.stop], ctx.group_settings(seg.param_index).mu, False
+            momentum, grad[seg.start : seg.stop], ctx.hyperparams_of(seg.param_index).mu
         )
         commit()
         run.momentum_done += 1
@@ -242,7 +242,7 @@ def update_all_momenta(ctx: StepContext, runs: list[BatchRun]) -> None:
                 break
             grad = ctx.matrices(seg.param_index, p.grad)[seg.start : seg.stop]
             pairs.append(
-                (ctx.group_settings(seg.param_index).mu, momentum[seg.start : seg.stop], grad)
+                (ctx.hyperparams_of(seg.param_index).mu, momentum[seg.start : seg.stop], grad)
             )
         else:
             for mu, momentum, grad in pairs:
@@ -263,12 +263,12 @@ def write_directions(ctx: StepContext, run: BatchRun, out: Tensor) -> None:
     offset = 0
     for k, seg in enumerate(run.segments):
         p = plan.params[seg.param_index]
-        settings = ctx.group_settings(seg.param_index)
+        hyper = ctx.hyperparams_of(seg.param_index)
         momentum = _segment_momentum(ctx, run, k)[0]
         target = out[offset : offset + seg.count]
-        if settings.nesterov:
+        if hyper.nesterov:
             grad = ctx.matrices(seg.param_index, p.grad)[seg.start : seg.stop]
-            target.copy_(direction(momentum, grad, settings.mu, True))
+            target.copy_(direction(momentum, grad, hyper.mu, True))
         else:
             target.copy_(momentum)
         offset += seg.count
@@ -346,13 +346,13 @@ def finish(ctx: StepContext, run: BatchRun) -> None:
     offset = sum(seg.count for seg in run.segments[: run.finished])
     for seg in run.segments[run.finished :]:
         p = plan.params[seg.param_index]
-        settings = ctx.group_settings(seg.param_index)
+        hyper = ctx.hyperparams_of(seg.param_index)
         matrices, commit = ctx.writable(seg.param_index, p)
         weight_update_(
             matrices[seg.start : seg.stop],
             run.results[offset : offset + seg.count],
-            settings.lr,
-            settings.weight_decay,
+            hyper.lr,
+            hyper.weight_decay,
             plan.row_scales[seg.param_index],
         )
         commit()

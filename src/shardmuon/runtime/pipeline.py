@@ -18,7 +18,7 @@ from shardmuon.ops.adamw import adamw_temp_bytes
 from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.placements import local_tensor
 from shardmuon.planning.plan import AdamWChunk
-from shardmuon.planning.workspace import batch_bytes, step_schedule
+from shardmuon.planning.workspace import batch_bytes
 from shardmuon.runtime.offload import StateStager
 from shardmuon.runtime.phases import (
     AdamWProgress,
@@ -35,13 +35,15 @@ from shardmuon.runtime.phases import (
     update_all_momenta,
 )
 
-__all__ = ["new_progress", "run_step", "step_one_chunk"]
+__all__ = ["chunk_progress", "run_step", "step_one_chunk"]
 
 
 def run_step(
-    ctx: StepContext, budget: int, max_in_flight: int, stager: StateStager | None = None
+    ctx: StepContext, schedule: list[tuple[str, int]], stager: StateStager | None = None
 ) -> int:
-    """Every batch and AdamW chunk of the plan, pipelined; returns the estimated peak bytes.
+    """Every batch and AdamW chunk of the plan, pipelined in the order of ``schedule``
+    (:func:`shardmuon.planning.workspace.step_schedule` of the plan, for the budget
+    ``ctx.workspace_bytes``); returns the estimated peak bytes.
 
     AdamW runs once the first batch's gather is under way (it overlaps that traffic). With
     a ``stager`` (offload), each batch's momentum and each AdamW chunk's state is loaded
@@ -52,9 +54,7 @@ def run_step(
     runs = {i: new_run(ctx, batch) for i, batch in enumerate(plan.batches)}
     if stager is None:
         update_all_momenta(ctx, list(runs.values()))
-    ops = _with_adamw(
-        step_schedule(plan.batches, budget, max_in_flight, plan.ns_cost), len(plan.adamw)
-    )
+    ops = _with_adamw(schedule, len(plan.adamw))
     staging = None
     if stager is not None:
         uses = [op for op in ops if op[0] in ("prepare", "adamw")]
@@ -130,7 +130,7 @@ class _Staging:
         self.position += 1
 
 
-def new_progress(ctx: StepContext, chunk: MuonBatch | AdamWChunk) -> BatchRun | AdamWProgress:
+def chunk_progress(ctx: StepContext, chunk: MuonBatch | AdamWChunk) -> BatchRun | AdamWProgress:
     """A chunk's progress through its step, from the start (see :func:`step_one_chunk`)."""
     return AdamWProgress() if isinstance(chunk, AdamWChunk) else new_run(ctx, chunk)
 

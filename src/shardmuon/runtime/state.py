@@ -6,17 +6,21 @@ parameter, in (pinned) host memory with ``offload="state"``, and a ``step`` coun
 float32 CPU tensor, ``torch.optim``'s convention — that mirrors its group's ``step``. dion
 keeps the count in the param group only, which a loader that writes checkpoint tensors in
 place into ``state_dict()`` without ``load_state_dict`` (prime-rl's, through DCP) never
-restores; through the counters, the count comes back.
+restores; through the counters, the count comes back. The pieces of a checked load
+(``Muon.load_state_dict``: hooks, host placement, completing the groups) are here too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim import Optimizer
 
 from shardmuon.planning.placements import local_tensor
 from shardmuon.runtime.offload import host_copy
@@ -24,10 +28,14 @@ from shardmuon.runtime.offload import host_copy
 __all__ = [
     "STATE_KEYS",
     "adopt_loaded_counts",
+    "adopt_loaded_groups",
     "advance_step_counters",
     "host_state_entries",
     "init_state",
+    "load_groups_to_host",
+    "load_hooks_held",
     "placed",
+    "run_load_pre_hooks",
 ]
 
 # The state a parameter has under each algorithm (dion's keys).
@@ -179,3 +187,54 @@ def _step_counter(step: int, current: object) -> Tensor:
         current.fill_(float(step))
         return current
     return torch.tensor(float(step), dtype=torch.float32)
+
+
+def run_load_pre_hooks(optimizer: Optimizer, state_dict: dict) -> dict:
+    """``state_dict`` after the optimizer's load pre-hooks (a hook may return another
+    dict): run once, before validation, so that what is checked is what is loaded."""
+    for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        changed = hook(optimizer, state_dict)
+        if changed is not None:
+            state_dict = changed
+    return state_dict
+
+
+@contextlib.contextmanager
+def load_hooks_held(optimizer: Optimizer) -> Iterator[list[Callable]]:
+    """torch's ``load_state_dict`` with its hooks held back (the pre-hooks already ran; the
+    post-hooks must see the finished load): yields the post-hooks for the caller to run."""
+    pre = optimizer._optimizer_load_state_dict_pre_hooks
+    post = optimizer._optimizer_load_state_dict_post_hooks
+    optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
+    try:
+        yield list(post.values())
+    finally:
+        optimizer._optimizer_load_state_dict_pre_hooks = pre
+        optimizer._optimizer_load_state_dict_post_hooks = post
+
+
+def adopt_loaded_groups(
+    param_groups: list[dict], state: dict, merged: list[dict], dropped: Iterable[str]
+) -> None:
+    """After torch's load: each group completed with the checked keys it lacked
+    (``merged``), and the state keys shardmuon does not keep (``dropped``) removed."""
+    for group, full in zip(param_groups, merged):
+        for key, value in full.items():
+            group.setdefault(key, value)
+    for entry in state.values():
+        if isinstance(entry, dict):
+            for key in dropped:
+                entry.pop(key, None)
+
+
+def load_groups_to_host(
+    optimizer: Optimizer, torch_load: Callable[[dict], None], state_dict: dict
+) -> None:
+    """With offload: torch's load of the groups only (it replaces ``optimizer.state`` and
+    ``param_groups``); the state cast where it is, then placed in host memory
+    (:func:`host_state_entries`)."""
+    torch_load({**state_dict, "state": {}})
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    optimizer.state.update(host_state_entries(state_dict["state"], saved_ids, params))
