@@ -102,7 +102,7 @@ def _rank_main(
         dist.destroy_process_group()
     if rank == 0:
         record = {"times": times}
-        if world == 1:
+        if world == 1 and json.loads(options) in ({}, {"newton_schulz_preconditioner": "aol"}):
             record["unfolded"] = _unfolded_recipe_seconds(tensors, grads[0], steps)
         Path(out).write_text(json.dumps(record))
 
@@ -159,8 +159,21 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per process")
     parser.add_argument("--worlds", default="1,2", help="world sizes, at most 2 (e.g. 1,2)")
     parser.add_argument("--aol", action="store_true", help="also HEAD with AOL preconditioning")
+    parser.add_argument(
+        "--options",
+        default="{}",
+        help="Muon keyword arguments for both trees, as JSON, e.g. "
+        '\'{"newton_schulz_dtype": "float32"}\' (where bf16 GEMMs are emulated: AVX2 CPUs); '
+        "with options, no unfolded-recipe baseline (it is dion's bf16 recipe)",
+    )
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
+    try:
+        common = json.loads(args.options)
+    except json.JSONDecodeError as err:
+        parser.error(f"--options takes a JSON object, got {args.options!r} ({err})")
+    if not isinstance(common, dict):
+        parser.error(f"--options takes a JSON object, got {args.options!r}")
     worlds = [int(w) for w in args.worlds.split(",")]
     if not worlds or any(not 1 <= w <= MAX_WORLD for w in worlds):
         parser.error(f"--worlds takes sizes from 1 to {MAX_WORLD}, got {args.worlds!r}")
@@ -181,9 +194,10 @@ def main() -> int:
             capture_output=True,
         )
         try:
-            trees = {"rev": (tree / "src", {}), "head": (ROOT / "src", {})}
+            trees = {"rev": (tree / "src", common), "head": (ROOT / "src", common)}
             if args.aol:
-                trees["head+aol"] = (ROOT / "src", {"newton_schulz_preconditioner": "aol"})
+                aol = {**common, "newton_schulz_preconditioner": "aol"}
+                trees["head+aol"] = (ROOT / "src", aol)
             for world in worlds:
                 samples: dict[str, list[dict]] = {name: [] for name in trees}
                 for r in range(args.rounds):
@@ -206,7 +220,7 @@ def main() -> int:
                         / statistics.median(x["step"] for x in samples["rev"]),
                         "over_rev_range": [min(ratios), max(ratios)],
                     }
-                    if world == 1:
+                    if world == 1 and all(x["unfolded"] for x in samples[name]):
                         per_round = [x["step"] / x["unfolded"] for x in samples[name]]
                         figures[name]["over_unfolded"] = statistics.median(per_round)
                         figures[name]["over_unfolded_range"] = [min(per_round), max(per_round)]

@@ -51,8 +51,9 @@ def test_padded_scheme_volume() -> None:
     to each of 3 peers, there and back, in bf16."""
     from shardmuon.bench.volume import padded_scheme_bytes
     from shardmuon.planning.batches import MuonBatch, Segment
+    from shardmuon.planning.groups import ShardGroup
     from shardmuon.planning.pieces import Piece
-    from shardmuon.planning.placements import MatrixLayout, ShardGroup
+    from shardmuon.planning.placements import MatrixLayout
 
     group = ShardGroup(ranks=(0, 1, 2, 3), rank_index=1, process_group=None)
     rows = ((0, 8), (8, 16), (16, 24), (24, 30))

@@ -736,7 +736,7 @@ def _stages(ctx: TPContext) -> None:
     other stage), and each stage steps bitwise like one process."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from shardmuon.planning import placements
+    from shardmuon.planning import groups as planning_groups
 
     ranks = torch.arange(8).view(2, 2, 2).permute(2, 0, 1).contiguous()
     mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("pp", "dp", "tp"))
@@ -744,7 +744,7 @@ def _stages(ctx: TPContext) -> None:
     stage = mesh.get_local_rank(0)
     stage_ranks = tuple(stage_mesh.mesh.flatten().tolist())
     problems = []
-    if stage_ranks in placements._FLATTENED_GROUPS:
+    if stage_ranks in planning_groups._FLATTENED_GROUPS:
         problems.append(f"stage ranks {stage_ranks} already have a group: the case tests nothing")
     if stage == 0:
         specs = [(12, 8), (9, 7)]

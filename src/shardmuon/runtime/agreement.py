@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardmuon.planning.batches import MuonBatch
-from shardmuon.planning.placements import ShardGroup
+from shardmuon.planning.groups import ShardGroup
 
 __all__ = [
     "agreement_groups",

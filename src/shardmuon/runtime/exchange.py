@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardmuon.planning.placements import MatrixLayout, ShardGroup
+from shardmuon.planning.groups import ShardGroup
+from shardmuon.planning.placements import MatrixLayout
 from shardmuon.runtime.telemetry import BF16_BYTES, StepStats
 
 __all__ = ["BatchExchange", "warmup_groups"]

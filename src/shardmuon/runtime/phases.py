@@ -1,4 +1,4 @@
-"""One batch's phases, and one AdamW chunk: what a step runs, piece by piece.
+"""One batch's phases: what a step runs for Muon, piece by piece (AdamW: ``adamw_step.py``).
 
 1. *prepare* — momentum ``M = mu*M + G`` on the local shard; the direction (Nesterov's
    ``mu*M + G`` or ``M``) is written, rounded to bf16, straight into the batch's buffer:
@@ -26,21 +26,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardmuon.ops.adamw import adamw_update_
 from shardmuon.ops.ns_engine import Orthogonalizer
 from shardmuon.ops.partitions import orthogonalize_blocks
 from shardmuon.ops.update import direction, momentum_update_, weight_update_
 from shardmuon.planning.batches import MuonBatch, Segment
 from shardmuon.planning.placements import local_tensor
-from shardmuon.planning.plan import AdamWChunk, Plan, setting_float
+from shardmuon.planning.plan import Plan, setting_float
 from shardmuon.runtime.exchange import BatchExchange
 from shardmuon.runtime.telemetry import StepStats
 
 __all__ = [
-    "AdamWProgress",
     "BatchRun",
     "StepContext",
-    "adamw_state_views",
     "compute",
     "finish",
     "momentum_views",
@@ -48,7 +45,6 @@ __all__ = [
     "orthogonalize_directions",
     "orthogonalize_run",
     "prepare",
-    "step_adamw",
     "step_batch",
     "update_all_momenta",
 ]
@@ -166,13 +162,6 @@ class BatchRun:
     @property
     def count(self) -> int:
         return sum(s.count for s in self.segments)
-
-
-@dataclass
-class AdamWProgress:
-    """How many parameters of an AdamW chunk were updated (to resume a failed chunk)."""
-
-    done: int = 0
 
 
 def new_run(ctx: StepContext, batch: MuonBatch) -> BatchRun:
@@ -414,49 +403,3 @@ def step_batch(ctx: StepContext, run: BatchRun) -> None:
     if not run.computed:
         compute(ctx, run)
     finish(ctx, run)
-
-
-def adamw_params(ctx: StepContext, chunk: AdamWChunk) -> list[Tensor]:
-    """The parameters of an AdamW chunk that have grads (the ones it steps)."""
-    return [p for p in ctx.param_groups[chunk.group_index]["params"] if p.grad is not None]
-
-
-def adamw_state_views(ctx: StepContext, chunk: AdamWChunk) -> list[Tensor]:
-    """The (host) local momenta, then variances, of the chunk's parameters with grads."""
-    params = adamw_params(ctx, chunk)
-    return [local_tensor(ctx.state[p][key]) for key in ("momentum", "variance") for p in params]
-
-
-def step_adamw(
-    ctx: StepContext,
-    chunk: AdamWChunk,
-    progress: AdamWProgress | None = None,
-    staged: list[Tensor] | None = None,
-) -> None:
-    """AdamW on one group; ``progress`` counts the parameters done (for a resumed chunk);
-    ``staged``: the state as :func:`adamw_state_views` lists it, on the device (offload)."""
-    group = ctx.param_groups[chunk.group_index]
-    params = adamw_params(ctx, chunk)
-    state = staged if staged is not None else adamw_state_views(ctx, chunk)
-    momenta, variances = state[: len(params)], state[len(params) :]
-    start = progress.done if progress is not None else 0
-    params, momenta, variances = params[start:], momenta[start:], variances[start:]
-
-    def done(_: int) -> None:
-        if progress is not None:
-            progress.done += 1
-
-    adamw_update_(
-        [local_tensor(p) for p in params],
-        [local_tensor(p.grad) for p in params],
-        momenta,
-        variances,
-        lr=setting_float(group["lr"]),
-        beta1=setting_float(group["beta1"]),
-        beta2=setting_float(group["beta2"]),
-        weight_decay=setting_float(group["weight_decay"]),
-        epsilon=setting_float(group["epsilon"]),
-        step=int(group["step"]),
-        max_temp_bytes=ctx.workspace_bytes,
-        on_param_done=done,
-    )

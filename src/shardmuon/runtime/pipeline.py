@@ -14,23 +14,24 @@ from collections.abc import Callable, Hashable, Sequence
 
 from torch import Tensor
 
-from shardmuon.ops.adamw import adamw_temp_bytes
 from shardmuon.planning.batches import MuonBatch
-from shardmuon.planning.placements import local_tensor
 from shardmuon.planning.plan import AdamWChunk
 from shardmuon.planning.workspace import batch_bytes
+from shardmuon.runtime.adamw_step import (
+    AdamWProgress,
+    adamw_peak_bytes,
+    adamw_state_views,
+    step_adamw,
+)
 from shardmuon.runtime.offload import StateStager
 from shardmuon.runtime.phases import (
-    AdamWProgress,
     BatchRun,
     StepContext,
-    adamw_state_views,
     compute,
     finish,
     momentum_views,
     new_run,
     prepare,
-    step_adamw,
     step_batch,
     update_all_momenta,
 )
@@ -64,7 +65,7 @@ def run_step(
         for phase, i in ops:
             if phase == "adamw":
                 if i == 0:
-                    peak = max(peak, held + _adamw_peak(ctx))
+                    peak = max(peak, held + adamw_peak_bytes(ctx))
                 staged = staging.take() if staging else None
                 step_adamw(ctx, plan.adamw[i], staged=staged)
                 if staging:
@@ -164,13 +165,3 @@ def step_one_chunk(
             progress.momenta = None
         if stager is not None:
             stager.store_all()
-
-
-def _adamw_peak(ctx: StepContext) -> int:
-    """The largest fp32 temporaries of the AdamW chunks' ``_foreach`` runs."""
-    peak = 0
-    for chunk in ctx.plan.adamw:
-        group = ctx.param_groups[chunk.group_index]
-        sizes = [p.numel() for p in map(local_tensor, group["params"])]
-        peak = max(peak, adamw_temp_bytes(sizes, ctx.workspace_bytes))
-    return peak

@@ -1,0 +1,170 @@
+"""The process groups a matrix is exchanged and replicated over, as :class:`ShardGroup`.
+
+The mesh's own groups wherever they hold exactly the ranks that must talk (one mesh dim;
+several flattened by the user with ``mesh[...]._flatten()``), else groups of exactly those
+ranks, made once by those ranks only. A group is identified by its global ranks; its rank
+numbering (ascending global ranks, what collectives count in) can differ from the mesh's
+order, which :class:`ShardGroup` keeps beside it (:mod:`shardmuon.planning.mesh_order`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from shardmuon.planning.mesh_order import MeshOrder, holders, mesh_order
+
+__all__ = ["ShardGroup", "exchange_group", "replica_group"]
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """The process group a matrix is exchanged (or replicated) over, identified by its global
+    ranks (not by identity); several mesh dims flattened when the matrix is sharded over
+    several. ``ranks[i]`` is the global rank of group rank ``i`` (the numbering collectives
+    use: ascending global ranks, whatever order the mesh lists them in) and ``rank_index``
+    this rank's group rank."""
+
+    ranks: tuple[int, ...]
+    rank_index: int
+    process_group: dist.ProcessGroup = field(compare=False, hash=False, repr=False)
+    # The members in row-major mesh order (DTensor's coordinates; for replicas, by
+    # coordinate along the replicate dim), where it differs from ``ranks``; empty when the
+    # two agree.
+    mesh_ranks: tuple[int, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def mesh_index(self) -> int:
+        """This rank's position in mesh order (its coordinate along a single mesh dim)."""
+        if not self.mesh_ranks:
+            return self.rank_index
+        return self.mesh_ranks.index(self.ranks[self.rank_index])
+
+    def global_rank_at(self, mesh_index: int) -> int:
+        """The global rank at position ``mesh_index`` in mesh order."""
+        return (self.mesh_ranks or self.ranks)[mesh_index]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def _group_of(process_group: dist.ProcessGroup, mesh_ranks: tuple[int, ...]) -> ShardGroup:
+    """``process_group`` as a :class:`ShardGroup`: its members in its own rank numbering, and
+    ``mesh_ranks`` (the same members in mesh order)."""
+    ranks = tuple(dist.get_global_rank(process_group, i) for i in range(process_group.size()))
+    if sorted(ranks) != sorted(mesh_ranks):
+        raise RuntimeError(
+            f"the process group of ranks {list(ranks)} is not the mesh's group of ranks "
+            f"{list(mesh_ranks)}"
+        )
+    in_mesh_order = () if mesh_ranks == ranks else mesh_ranks
+    return ShardGroup(ranks, process_group.rank(), process_group, in_mesh_order)
+
+
+def _mesh_ranks(mesh, mesh_dims: Sequence[int]) -> tuple[int, ...]:
+    """The global ranks along ``mesh_dims`` (row-major; other dims at this rank's coordinate)."""
+    coordinate = mesh.get_coordinate()
+    index = tuple(slice(None) if d in mesh_dims else c for d, c in enumerate(coordinate))
+    return tuple(mesh.mesh[index].flatten().tolist())
+
+
+def _mesh_group(mesh, mesh_dim: int) -> ShardGroup:
+    """The process group along ``mesh_dim`` that holds this rank."""
+    return _group_of(mesh.get_group(mesh_dim), _mesh_ranks(mesh, (mesh_dim,)))
+
+
+def exchange_group(
+    mesh, order: MeshOrder, mesh_dims: tuple[int, ...], replicate_dims: list, batch_dims: list
+) -> ShardGroup:
+    """The ranks holding the pieces of this rank's matrices, in this replica: those at its
+    coordinates on the replicate dims and at its group coordinates on the batch dims.
+
+    The mesh's own groups over ``mesh_dims`` (flattened if several), unless a permuted mesh
+    lists a later batch dim (experts) in different orders along them: then groups of
+    exactly these ranks (:func:`_part_group`).
+    """
+    parts = holders(order, replicate_dims, batch_dims)
+    others = [d for d in range(order.grid.ndim) if d not in mesh_dims]
+    if parts == holders(order, others, ()):
+        return _shard_group(mesh, mesh_dims)[0]
+    members = _part_of(parts)
+    return _group_of(_part_group(parts, members), members)
+
+
+def replica_group(mesh, order: MeshOrder, mesh_dim: int) -> ShardGroup:
+    """The ranks holding this rank's shards, one at each coordinate of replicate dim
+    ``mesh_dim``: those at the same group coordinates on every other mesh dim.
+
+    The mesh's own groups along ``mesh_dim``, unless a permuted mesh lists the later dims
+    in other orders at other coordinates of it (a leading replicate dim is broadcast before
+    DTensor scatters): then groups of exactly these ranks (:func:`_part_group`).
+    """
+    others = [d for d in range(order.grid.ndim) if d != mesh_dim]
+    parts = holders(order, (), others)
+    if parts == holders(order, others, ()):
+        return _mesh_group(mesh, mesh_dim)
+    members = _part_of(parts)
+    in_mesh_order = tuple(sorted(members, key=lambda r: order.coordinate_of(r)[mesh_dim]))
+    return _group_of(_part_group(parts, members), in_mesh_order)
+
+
+def _part_of(parts: frozenset[tuple[int, ...]]) -> tuple[int, ...]:
+    """The part holding this rank."""
+    me = dist.get_rank()
+    return next(part for part in parts if me in part)
+
+
+# Groups this module made (flattened mesh dims, groups off the mesh's own), by their sorted
+# global ranks, and the partitions of a mesh's ranks made into such groups.
+_FLATTENED_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_MADE_PARTITIONS: set[frozenset[tuple[int, ...]]] = set()
+
+
+def _part_group(parts: frozenset[tuple[int, ...]], members: tuple[int, ...]) -> dist.ProcessGroup:
+    """The group of ``members`` (sorted), one part of ``parts`` (a partition of a mesh's ranks
+    that all its ranks compute alike), made by those ranks only (``use_local_synchronization``:
+    ranks off the mesh, such as other pipeline stages, need not take part).
+
+    torch 2.13 names such a group by its ranks and by how many groups the caller already
+    has, so its members must have made equally many: every rank of the mesh makes its part's
+    group the first time the partition is needed, even if it made one of those ranks before.
+    """
+    if parts not in _MADE_PARTITIONS:
+        _FLATTENED_GROUPS[members] = dist.new_group(list(members), use_local_synchronization=True)
+        _MADE_PARTITIONS.add(parts)
+    return _FLATTENED_GROUPS[members]
+
+
+def _shard_group(mesh, mesh_dims: tuple[int, ...]) -> tuple[ShardGroup, tuple[int, ...]]:
+    """The group over ``mesh_dims`` that holds this rank, and its members in row-major mesh
+    order.
+
+    One mesh dim: its own group. Several: a flattened mesh over the same ranks the user made
+    (``mesh[...]._flatten()``) if there is one, else a group of exactly these ranks
+    (:func:`_part_group`).
+    """
+    mesh_ranks = _mesh_ranks(mesh, mesh_dims)
+    if len(mesh_dims) == 1:
+        return _mesh_group(mesh, mesh_dims[0]), mesh_ranks
+    members = tuple(sorted(mesh_ranks))
+    process_group = _existing_flattened_group(mesh, members)
+    if process_group is None:
+        order = mesh_order(mesh)
+        others = [d for d in range(order.grid.ndim) if d not in mesh_dims]
+        process_group = _part_group(holders(order, others, ()), members)
+    return _group_of(process_group, mesh_ranks), mesh_ranks
+
+
+def _existing_flattened_group(mesh, members: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """The group of a flattened 1-D mesh over exactly ``members`` (sorted), if one was made."""
+    try:
+        flattened = mesh._get_root_mesh()._flatten_mapping.values()
+    except AttributeError:  # a DeviceMesh without flattening support
+        return None
+    for flat in flattened:
+        if tuple(sorted(flat.mesh.flatten().tolist())) == members:
+            return flat.get_group(0)
+    return None
