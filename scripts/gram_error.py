@@ -1,6 +1,6 @@
 """Error against fp64 of the standard and the Gram Newton–Schulz iterations, by input kind,
 aspect ratio, iteration dtype and restart schedule: the table that chose the Gram restart
-defaults (``shardmuon.ops.gram_newton_schulz.DEFAULT_RESTARTS``).
+defaults (``shardmuon.ops.newton_schulz_gram.DEFAULT_RESTARTS``).
 
     python scripts/gram_error.py [--rows 64] [--seeds 3] [--coefficients dion] [--time]
 
@@ -23,7 +23,7 @@ import torch
 
 from shardmuon.bench.matrices import INPUT_KINDS, make_input
 from shardmuon.bench.matrices import relative_error as error
-from shardmuon.ops.gram_newton_schulz import gram_flops, newton_schulz_gram, standard_flops
+from shardmuon.ops.newton_schulz_gram import gram_flops, newton_schulz_gram, standard_flops
 from shardmuon.ops.newton_schulz import newton_schulz, newton_schulz_reference, resolve_coefficients
 
 KINDS = INPUT_KINDS

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from shardmuon.ops.gram_newton_schulz import newton_schulz_gram
-from shardmuon.ops.ns_guard import guarded
+from shardmuon.ops.newton_schulz_gram import newton_schulz_gram
+from shardmuon.ops.newton_schulz_guard import guarded
 
 SHAPES = ((16, 64, 256), (8, 128, 512), (12, 128, 384), (4, 256, 1024))
 

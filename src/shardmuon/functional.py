@@ -33,7 +33,7 @@ from torch import Tensor
 from shardmuon.ops.adamw import adamw_update_
 from shardmuon.ops.engines import NS_CHOICES, resolve_ns_dtype
 from shardmuon.ops.newton_schulz import Coefficients, resolve_coefficients
-from shardmuon.ops.ns_engine import Orthogonalizer
+from shardmuon.ops.orthogonalizer import Orthogonalizer
 from shardmuon.ops.update import direction, lr_scale, momentum_update_, weight_update_
 
 __all__ = ["adamw_update_", "muon_update_"]

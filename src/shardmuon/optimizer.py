@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 
 from shardmuon.ops.engines import resolve_restarts
 from shardmuon.ops.newton_schulz import resolve_coefficients
-from shardmuon.ops.ns_engine import (
+from shardmuon.ops.orthogonalizer import (
     NS_CHOICES,
     NewtonSchulzSettings,
     live_coefficients,
@@ -105,7 +105,7 @@ class Muon(Optimizer):
         newton_schulz_dtype, newton_schulz_restarts, newton_schulz_guard: the iteration's
             dtype (bf16 default, fp16, fp32; bf16 results), Gram's restart steps (``None``:
             after 2, then every 3), the divergence guard (``None``: on for Gram; certifies
-            sigma_max <= 1.15x the band, ``ops/ns_guard.py``).
+            sigma_max <= 1.15x the band, ``ops/newton_schulz_guard.py``).
         newton_schulz_preconditioner: ``None`` (dion's numerics) or ``"aol"`` (Turbo-Muon's
             row scaling from the first iteration's Gram matrix; 4 steps by default).
         rotate_owners: continue owners round-robin across batches (``False`` for benchmarks).
@@ -327,7 +327,7 @@ class Muon(Optimizer):
         return None
 
     def _newton_schulz(self) -> NewtonSchulzSettings:
-        """The live Newton–Schulz settings, resolved (``ops/ns_engine.py``)."""
+        """The live Newton–Schulz settings, resolved (``ops/orthogonalizer.py``)."""
         return NewtonSchulzSettings(
             impl=self.newton_schulz_impl,
             dtype=resolve_ns_dtype(self.newton_schulz_dtype),
@@ -398,14 +398,14 @@ class Muon(Optimizer):
         # configured otherwise would otherwise meet this check with its first all-to-all.
         schedule = self._schedule.get(self._plan, self.workspace_bytes, self.max_in_flight)
         if self.check_grads == "always" or not self._plan_verified:
-            self._check_agreement(schedule)
+            self._check_agreement()
             self._calibrate_auto()
             self._plan_verified = True
         advance_step_counters(self.param_groups, self.state, self._counted_steps)
         self.last_step_stats = StepStats()
         return schedule
 
-    def _check_agreement(self, schedule: list[tuple[str, int]]) -> None:
+    def _check_agreement(self) -> None:
         """Every group's ranks agree on batches, settings and grads (see ``runtime/agreement.py``)."""
         ns = self._newton_schulz()  # one spelling per value: "float32" is torch.float32
         settings = {
@@ -413,6 +413,7 @@ class Muon(Optimizer):
             "coefficients": ns.coefficients,
             "newton_schulz_dtype": str(ns.dtype),
         }
+        schedule = self._schedule.get(self._plan, self.workspace_bytes, self.max_in_flight)
         check_plan_agreement(
             self._plan, self.param_groups, settings, self._device(), schedule,
             compare_grads=self.check_grads != "never",

@@ -337,7 +337,7 @@ ARM_CPUINFO = "processor\t: 0\nFeatures\t: fp asimd evtstrm asimdhp cpuid\n"
 
 
 def test_cpu_flags_and_native_fp16_gemms():
-    from shardmuon.bench.common import cpu_flags, native_fp16_gemms
+    from shardmuon.harness.machine import cpu_flags, native_fp16_gemms
 
     x86 = cpu_flags(X86_CPUINFO)
     assert {"avx2", "avx512_bf16"} <= x86
@@ -351,7 +351,7 @@ def test_cpu_flags_and_native_fp16_gemms():
 
 @pytest.fixture
 def cpu_without_fp16(monkeypatch):
-    import shardmuon.bench.common as common
+    import shardmuon.harness.machine as common
 
     flags = frozenset({"avx2", "avx512_bf16"})
     monkeypatch.setattr(common, "cpu_flags", lambda: flags, raising=False)
@@ -378,7 +378,7 @@ def test_step_fp16_on_such_a_cpu_says_so_before_running(cpu_without_fp16, monkey
 
 
 def test_the_fp16_note_names_the_isa_and_the_slowdown():
-    from shardmuon.bench.common import fp16_cpu_note
+    from shardmuon.harness.machine import fp16_cpu_note
 
     text = fp16_cpu_note("--ns-dtype fp16", frozenset({"avx2"}))
     assert "\n" not in text

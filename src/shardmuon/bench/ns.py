@@ -16,13 +16,7 @@ from typing import Any
 
 import torch
 
-from shardmuon.bench.common import (
-    DTYPE_NAMES,
-    DTYPES,
-    add_output_arguments,
-    fp16_cpu_note,
-    relative_difference,
-)
+from shardmuon.bench.common import add_output_arguments, relative_difference
 from shardmuon.bench.matrices import INPUT_KINDS, make_inputs, relative_error
 from shardmuon.bench.report import (
     fmt,
@@ -41,19 +35,20 @@ from shardmuon.harness.cli_support import (
     positive_int,
     seed_int,
 )
-from shardmuon.ops.gram_newton_schulz import (
-    default_restarts,
-    gram_flops,
-    newton_schulz_gram,
-    standard_flops,
-)
+from shardmuon.harness.machine import DTYPE_NAMES, DTYPES, fp16_cpu_note
 from shardmuon.ops.newton_schulz import (
     NS_PRESETS,
     newton_schulz,
     newton_schulz_reference,
     newton_schulz_unfolded,
 )
-from shardmuon.ops.ns_guard import guarded
+from shardmuon.ops.newton_schulz_gram import (
+    default_restarts,
+    gram_flops,
+    newton_schulz_gram,
+    standard_flops,
+)
+from shardmuon.ops.newton_schulz_guard import guarded
 
 __all__ = [
     "CPU_SHAPES",

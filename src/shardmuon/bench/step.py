@@ -17,12 +17,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from shardmuon.bench.common import (
-    DTYPES,
-    add_model_arguments,
-    add_output_arguments,
-    fp16_cpu_note,
-)
+from shardmuon.bench.common import add_model_arguments, add_output_arguments
 from shardmuon.bench.launch import launch, torchrun_world_size
 from shardmuon.bench.optimizers import (
     DEFAULT_OFF,
@@ -46,10 +41,11 @@ from shardmuon.harness.cli_support import (
     positive_int,
     seed_int,
 )
+from shardmuon.harness.machine import DTYPES, fp16_cpu_note
 from shardmuon.harness.parallel import LAYOUTS, parse_mesh_shape
 from shardmuon.harness.processes import NPROC_RULE, check_process_count, check_thread_count
 from shardmuon.ops.newton_schulz import NS_PRESETS
-from shardmuon.ops.ns_engine import NS_CHOICES
+from shardmuon.ops.orthogonalizer import NS_CHOICES
 
 DEFAULT_MODEL = "tiny-moe"
 

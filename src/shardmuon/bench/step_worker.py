@@ -14,15 +14,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardmuon.bench.common import DTYPES, name_seed
+from shardmuon.bench.common import name_seed
 from shardmuon.bench.launch import RankContext
 from shardmuon.bench.memory import StepMemory, live_bytes, measure_cpu_step
 from shardmuon.bench.optimizers import make_optimizer, shardmuon_options
 from shardmuon.bench.report import new_progress, repeat_times, synchronize
 from shardmuon.bench.volume import padded_scheme_bytes
+from shardmuon.harness.machine import DTYPES
 from shardmuon.harness.models import model_config
 from shardmuon.harness.parallel import apply_layout
-from shardmuon.ops.ns_engine import NS_DTYPES
+from shardmuon.ops.orthogonalizer import NS_DTYPES
 from shardmuon.planning.placements import local_tensor
 
 __all__ = ["ORDERS", "StepConfig", "replay_newton_schulz", "run_order", "worker"]

@@ -30,13 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from shardmuon.ops.gram_newton_schulz import (
-    default_restarts,
-    gram_flops,
-    gram_gemm_dtype,
-    iterate_gram,
-    standard_flops,
-)
 from shardmuon.ops.newton_schulz import (
     Coefficients,
     compiled_iterate_folded,
@@ -44,6 +37,13 @@ from shardmuon.ops.newton_schulz import (
     iterate_unfolded,
     orthogonalize_per_matrix,
     orthogonalize_with,
+)
+from shardmuon.ops.newton_schulz_gram import (
+    default_restarts,
+    gram_flops,
+    gram_gemm_dtype,
+    iterate_gram,
+    standard_flops,
 )
 from shardmuon.ops.normalize import Normalized
 

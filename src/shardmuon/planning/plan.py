@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from shardmuon.ops.ns_engine import DEFAULT_COST, EngineCost
+from shardmuon.ops.orthogonalizer import DEFAULT_COST, EngineCost
 from shardmuon.ops.partitions import check_partitions, dion_group_partitions, row_scales
 from shardmuon.planning.batches import MuonBatch, PlanEntry, plan_batches
 from shardmuon.planning.placements import MatrixLayout, matrix_layout

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardmuon.ops.ns_engine import DEFAULT_COST, EngineCost
+from shardmuon.ops.orthogonalizer import DEFAULT_COST, EngineCost
 from shardmuon.planning.batches import MuonBatch
 
 __all__ = [
@@ -60,7 +60,7 @@ def newton_schulz_bytes(count: int, rows: int, cols: int, cost: EngineCost = DEF
     """Peak bytes one Newton–Schulz call allocates for a bf16 ``[count, rows, cols]`` input
     (the input excluded, its bf16 output included), by the engine ``cost`` describes (the
     default: folded bf16). The phases and their bytes are the engine table's
-    (:meth:`shardmuon.ops.ns_engine.EngineCost.call_bytes`)."""
+    (:meth:`shardmuon.ops.orthogonalizer.EngineCost.call_bytes`)."""
     return cost.call_bytes(count, rows, cols)
 
 

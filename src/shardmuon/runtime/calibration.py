@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardmuon.ops.engines import AUTO_CANDIDATES
-from shardmuon.ops.ns_engine import NewtonSchulzSettings, Orthogonalizer
+from shardmuon.ops.orthogonalizer import NewtonSchulzSettings, Orthogonalizer
 from shardmuon.planning.batches import MuonBatch
 
 __all__ = ["ShapeClass", "calibrate", "calibrate_plan", "plan_shape_classes", "time_engines"]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardmuon.ops.ns_engine import Orthogonalizer
+from shardmuon.ops.orthogonalizer import Orthogonalizer
 from shardmuon.ops.partitions import orthogonalize_blocks
 from shardmuon.ops.update import direction, momentum_update_, weight_update_
 from shardmuon.planning.batches import MuonBatch, Segment

@@ -12,7 +12,7 @@ import torch
 
 from shardmuon.bench.matrices import make_input, make_inputs
 from shardmuon.bench.matrices import relative_error as error
-from shardmuon.ops.gram_newton_schulz import (
+from shardmuon.ops.newton_schulz_gram import (
     default_restarts,
     gram_flops,
     gram_gemm_dtype,
@@ -25,7 +25,7 @@ from shardmuon.ops.newton_schulz import (
     newton_schulz_reference,
     newton_schulz_unfolded,
 )
-from shardmuon.ops.ns_guard import band_high, guarded
+from shardmuon.ops.newton_schulz_guard import band_high, guarded
 
 KINDS = ("gaussian", "logspaced", "lowrank")
 SHAPES = [(32, 64), (64, 32), (24, 96), (3, 16, 40), (16, 128)]

@@ -25,8 +25,8 @@ from shardmuon.ops.engines import (
     resolve_ns_dtype,
 )
 from shardmuon.ops.newton_schulz import Coefficients, resolve_coefficients
+from shardmuon.ops.newton_schulz_guard import GuardVerdict, guarded
 from shardmuon.ops.normalize import NORMALIZE_CHUNK_ELEMENTS
-from shardmuon.ops.ns_guard import GuardVerdict, guarded
 
 __all__ = [
     "AUTO_GRAM_MIN_ASPECT",

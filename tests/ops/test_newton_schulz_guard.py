@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardmuon.ops.newton_schulz import NS_PRESETS
-from shardmuon.ops.ns_guard import GUARD_SLACK, band_high, guarded
+from shardmuon.ops.newton_schulz_guard import GUARD_SLACK, band_high, guarded
 
 
 def _with_top_singular_value(m: int, n: int, top: float, g: torch.Generator) -> torch.Tensor:
