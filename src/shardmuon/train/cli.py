@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from shardmuon.bench.common import DTYPES, fp16_cpu_note
+from shardmuon.harness.machine import DTYPES, fp16_cpu_note
 from shardmuon.harness.cli_support import (
     LAYERS_HELP,
     ArgumentParser,
