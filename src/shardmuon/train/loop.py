@@ -111,7 +111,7 @@ def build_optimizer(
             eps=1e-8,
             weight_decay=config.weight_decay,
         )
-    from shardmuon.bench.common import DTYPES
+    from shardmuon.harness.machine import DTYPES
     from shardmuon.config import MuonConfig
     from shardmuon.config import build_optimizer as build_muon
     from shardmuon.harness.models import attention_dims
