@@ -21,7 +21,7 @@ from shardmuon.config import MuonConfig
 from shardmuon.ops.engines import ENGINES
 from shardmuon.ops.newton_schulz import NS_PRESETS, iterate_folded, newton_schulz
 from shardmuon.ops.newton_schulz import orthogonalize_with as ortho_with
-from shardmuon.ops.ns_guard import GUARD_SLACK, band_high, guarded
+from shardmuon.ops.newton_schulz_guard import GUARD_SLACK, band_high, guarded
 
 ENGINE_NAMES = ["folded", "unfolded", "per-matrix", "gram"]  # "compiled": seconds to compile
 DTYPES = ["bfloat16", "float16", "float32"]
@@ -371,7 +371,7 @@ def no_work(monkeypatch):
 
     for target in ["torch.multiprocessing.spawn", "torch.multiprocessing.start_processes",
                    "shardmuon.bench.step.launch", "shardmuon.bench.ns.measure_shape",
-                   "shardmuon.bench.ns._input_and_reference", "shardmuon.bench.ab._Setup",
+                   "shardmuon.bench.ns.input_and_reference", "shardmuon.bench.ab._Setup",
                    "shardmuon.bench.plan.build_meta_model", "shardmuon.train.run.train_on_rank",
                    "shardmuon.train.run.spawn_training", "shardmuon.train.run.prepare_resume"]:  # fmt: skip
         monkeypatch.setattr(target, forbidden)

@@ -16,11 +16,15 @@ from typing import Any
 
 import torch
 
-from shardmuon.bench.common import add_output_arguments, relative_difference
-from shardmuon.bench.matrices import INPUT_KINDS, make_inputs, relative_error
+from shardmuon.bench.common import add_output_arguments
+from shardmuon.bench.ns_measure import (
+    input_and_reference,
+    kind_inputs,
+    measure_engine,
+    measure_shape,
+)
 from shardmuon.bench.report import (
     fmt,
-    median_time,
     new_progress,
     print_legend,
     print_table,
@@ -35,27 +39,15 @@ from shardmuon.harness.cli_support import (
     positive_int,
     seed_int,
 )
-from shardmuon.harness.machine import DTYPE_NAMES, DTYPES, fp16_cpu_note
+from shardmuon.harness.machine import DTYPES, fp16_cpu_note
 from shardmuon.ops.newton_schulz import (
     NS_PRESETS,
-    newton_schulz,
-    newton_schulz_reference,
-    newton_schulz_unfolded,
 )
-from shardmuon.ops.newton_schulz_gram import (
-    default_restarts,
-    gram_flops,
-    newton_schulz_gram,
-    standard_flops,
-)
-from shardmuon.ops.newton_schulz_guard import guarded
 
 __all__ = [
     "CPU_SHAPES",
     "GPU_SHAPES",
     "add_parser",
-    "gemm_flops",
-    "newton_schulz_flops",
     "parse_shapes",
     "run",
 ]
@@ -151,136 +143,6 @@ def parse_dtypes(text: str) -> list[torch.dtype]:
     return [DTYPES[n] for n in names]
 
 
-def _dims(shape: tuple[int, ...]) -> tuple[int, int, int]:
-    batch = shape[0] if len(shape) == 3 else 1
-    m, n = sorted(shape[-2:])
-    return batch, m, n
-
-
-def newton_schulz_flops(shape: tuple[int, ...], iterations: int) -> float:
-    """FLOPs of one call: per matrix ``[m, n]`` with ``m <= n``, ``4 m^2 n + 2 m^3`` per iteration.
-
-    (``X X^T``: ``2 m^2 n``; ``A A``: ``2 m^3``; ``B X``: ``2 m^2 n``; the adds are ignored.)
-    """
-    batch, m, n = _dims(shape)
-    return float(batch) * standard_flops(m, n, iterations)
-
-
-def gemm_flops(shape: tuple[int, ...]) -> float:
-    """FLOPs of the Gram GEMM ``X X^T`` (``2 m^2 n`` per matrix), the reference GEMM here."""
-    batch, m, n = _dims(shape)
-    return 2.0 * batch * m * m * n
-
-
-def _input_and_reference(
-    shape: tuple[int, ...], preset: str, device: torch.device, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A seeded fp32 Gaussian input of ``shape`` and its fp64 Newton-Schulz result."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    G = torch.randn(shape, generator=gen, dtype=torch.float32).to(device)
-    return G, newton_schulz_reference(G, preset)
-
-
-def measure_shape(
-    shape: tuple[int, ...],
-    preset: str,
-    device: torch.device,
-    repeats: int,
-    seed: int,
-    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> dict[str, Any]:
-    """All figures of one (shape, preset) row; see the module docstring. ``reference``:
-    :func:`_input_and_reference`'s pair, when the caller has it already."""
-    G, ref = reference or _input_and_reference(shape, preset, device, seed)
-    iterations = len(NS_PRESETS[preset])
-    folded_s = median_time(lambda: newton_schulz(G, preset), device, repeats)
-    unfolded_s = median_time(lambda: newton_schulz_unfolded(G, preset), device, repeats)
-    X = G.to(torch.bfloat16).reshape(-1, G.size(-2), G.size(-1))
-    if X.size(-2) > X.size(-1):
-        X = X.mT
-    Xt = X.mT.contiguous()
-    gemm_s = median_time(lambda: torch.bmm(X, Xt), device, repeats)
-    flops = newton_schulz_flops(shape, iterations)
-    gemm_rate = gemm_flops(shape) / gemm_s
-    folded_rate = flops / folded_s
-    return {
-        "shape": list(shape),
-        "preset": preset,
-        "iterations": iterations,
-        "folded_ms": folded_s * 1e3,
-        "unfolded_ms": unfolded_s * 1e3,
-        "speedup": unfolded_s / folded_s,
-        "folded_tflops": folded_rate / 1e12,
-        "unfolded_tflops": flops / unfolded_s / 1e12,
-        "gemm_tflops": gemm_rate / 1e12,
-        "fraction_of_gemm": folded_rate / gemm_rate,
-        "rel_error_folded": relative_difference(newton_schulz(G, preset), ref),
-        "rel_error_unfolded": relative_difference(newton_schulz_unfolded(G, preset), ref),
-    }
-
-
-def kind_inputs(
-    shape: tuple[int, ...], preset: str, device: torch.device, seed: int
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per input kind (:data:`INPUT_KINDS`): an fp32 batch of ``shape`` on ``device`` and
-    its fp64 Newton-Schulz result with ``preset``."""
-    out = {}
-    for kind in INPUT_KINDS:
-        G = make_inputs(kind, shape, seed, device)
-        out[kind] = (G.float(), newton_schulz_reference(G, preset))
-    return out
-
-
-def measure_engine(
-    shape: tuple[int, ...],
-    preset: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    repeats: int,
-    seed: int,
-    kinds: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> dict[str, Any]:
-    """The standard and the Gram iteration (its default restarts) in ``dtype`` on one
-    (shape, preset): time on a Gaussian input, exact FLOPs, and per input kind the error of
-    both against fp64 and the guard's verdict on Gram. ``kinds``: :func:`kind_inputs`'s,
-    when the caller has them already."""
-    kinds = kinds or kind_inputs(shape, preset, device, seed)
-    G = kinds["gaussian"][0]
-    iterations = len(NS_PRESETS[preset])
-    batch, m, n = _dims(shape)
-    restarts = default_restarts(iterations)
-    standard_s = median_time(lambda: newton_schulz(G, preset, dtype=dtype), device, repeats)
-    gram_s = median_time(lambda: newton_schulz_gram(G, preset, dtype=dtype), device, repeats)
-    errors = []
-    for kind, (X, ref) in kinds.items():
-        gram_out = newton_schulz_gram(X, preset, dtype=dtype)
-        _, verdict = guarded(X, lambda _, out=gram_out: out, preset, 1e-8)
-        errors.append(
-            {
-                "kind": kind,
-                "standard": relative_error(newton_schulz(X, preset, dtype=dtype), ref),
-                "gram": relative_error(gram_out, ref),
-                "guard_checked": verdict.checked,
-                "guard_fallbacks": verdict.fallbacks,
-                "guard_worst_ratio": verdict.worst_ratio,
-            }
-        )
-    return {
-        "shape": list(shape),
-        "preset": preset,
-        "dtype": DTYPE_NAMES[dtype],
-        "standard_ms": standard_s * 1e3,
-        "gram_ms": gram_s * 1e3,
-        "gram_restarts": list(restarts),
-        "gram_time_ratio": gram_s / standard_s,
-        "standard_flops": standard_flops(m, n, iterations) * batch,
-        "gram_flops": gram_flops(m, n, iterations, restarts) * batch,
-        "gram_flops_ratio": gram_flops(m, n, iterations, restarts)
-        / standard_flops(m, n, iterations),
-        "errors": errors,
-    }
-
-
 def add_parser(subparsers) -> None:
     """Register ``ns`` on ``subparsers`` (an argparse sub-parsers action)."""
     p = subparsers.add_parser(
@@ -364,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         )
         for preset in presets:
             for shape in shapes:
-                reference = _input_and_reference(shape, preset, device, args.seed)
+                reference = input_and_reference(shape, preset, device, args.seed)
                 rows.append(
                     measure_shape(shape, preset, device, args.repeats, args.seed, reference)
                 )

@@ -65,12 +65,11 @@ from shardmuon.bench.report import fmt, new_progress, print_table, write_outputs
 from shardmuon.bench.volume import padded_scheme_bytes
 from shardmuon.harness.cli_support import (
     HelpFormatter,
-    check_mesh,
     check_outputs,
-    default_mesh_note,
     note,
     positive_int,
 )
+from shardmuon.harness.mesh_flags import check_mesh, default_mesh_note
 from shardmuon.harness.parallel import LAYOUTS, LayoutPlan
 from shardmuon.ops.newton_schulz import NS_PRESETS
 from shardmuon.planning.batches import MuonBatch

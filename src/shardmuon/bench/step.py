@@ -32,9 +32,7 @@ from shardmuon.bench.step_worker import ORDERS, StepConfig, worker
 from shardmuon.harness.cli_support import (
     HelpFormatter,
     add_hidden_alias,
-    check_mesh,
     check_outputs,
-    default_mesh_note,
     int_at_least,
     note,
     positive_float,
@@ -42,6 +40,7 @@ from shardmuon.harness.cli_support import (
     seed_int,
 )
 from shardmuon.harness.machine import DTYPES, fp16_cpu_note
+from shardmuon.harness.mesh_flags import check_mesh, default_mesh_note
 from shardmuon.harness.parallel import LAYOUTS, parse_mesh_shape
 from shardmuon.harness.processes import NPROC_RULE, check_process_count, check_thread_count
 from shardmuon.ops.newton_schulz import NS_PRESETS

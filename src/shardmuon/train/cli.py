@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from shardmuon.harness.machine import DTYPES, fp16_cpu_note
 from shardmuon.harness.cli_support import (
     LAYERS_HELP,
     ArgumentParser,
@@ -25,7 +24,6 @@ from shardmuon.harness.cli_support import (
     Number,
     add_hidden_alias,
     check_outputs,
-    default_mesh_note,
     nonnegative_float,
     nonnegative_int,
     note,
@@ -35,6 +33,8 @@ from shardmuon.harness.cli_support import (
     seed_int,
     unit_interval,
 )
+from shardmuon.harness.machine import DTYPES, fp16_cpu_note
+from shardmuon.harness.mesh_flags import default_mesh_note
 from shardmuon.harness.models import MODEL_PRESETS
 from shardmuon.harness.parallel import parse_mesh_shape, plan_layout
 from shardmuon.harness.processes import NPROC_RULE
