@@ -11,7 +11,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 PY=python3
 $PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
 timeout 90 $PY -m pytest -q -p no:cacheprovider tests/optimizer/test_cuda.py tests/ops/test_newton_schulz.py \
-  tests/optimizer/test_optimizer_api.py tests/runtime/test_offload.py tests/ops/test_gram_newton_schulz.py \
+  tests/optimizer/test_optimizer_api.py tests/runtime/test_offload.py tests/ops/test_newton_schulz_gram.py \
   tests/qk_clip/test_qk_clip_cuda.py \
   -k "not distributed" 2>&1 | tail -15 \
   | tee "$OUT/tests.txt"

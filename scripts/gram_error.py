@@ -23,8 +23,8 @@ import torch
 
 from shardmuon.bench.matrices import INPUT_KINDS, make_input
 from shardmuon.bench.matrices import relative_error as error
-from shardmuon.ops.newton_schulz_gram import gram_flops, newton_schulz_gram, standard_flops
 from shardmuon.ops.newton_schulz import newton_schulz, newton_schulz_reference, resolve_coefficients
+from shardmuon.ops.newton_schulz_gram import gram_flops, newton_schulz_gram, standard_flops
 
 KINDS = INPUT_KINDS
 ASPECTS = (1.0, 2.0, 2.7, 4.0, 8.0)

@@ -21,7 +21,7 @@ from shardmuon.bench.report import TABLE_WIDTH
 from shardmuon.cli import _default_bench_command, build_parser, main
 from shardmuon.harness.models import MODEL_PRESETS, build_model, param_shapes
 from shardmuon.harness.parallel import plan_layout
-from shardmuon.ops.gram_newton_schulz import gram_flops, standard_flops
+from shardmuon.ops.newton_schulz_gram import gram_flops, standard_flops
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -186,6 +186,6 @@ def test_train_plot_refuses_its_output_before_reading_runs(tmp_path, capsys):
 
 def test_config_validation_checks_paths_last(a_file):
     # A bad value is still reported as such, not hidden behind the path check.
-    config = dataclasses.replace(TrainConfig(), lr=-1.0, json_out=str(a_file / "x.json"))
+    config = dataclasses.replace(TrainConfig(optim={"lr": 0.0}), json_out=str(a_file / "x.json"))
     with pytest.raises(ValueError, match="lr must be a finite number"):
         config.validate()

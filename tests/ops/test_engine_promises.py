@@ -31,8 +31,8 @@ import shardmuon.optimizer as optimizer_module
 from shardmuon import Muon
 from shardmuon.bench.matrices import relative_error
 from shardmuon.ops.engines import ENGINES, NS_DTYPES, check_restart_runs, resolve_ns_dtype
-from shardmuon.ops.newton_schulz_gram import newton_schulz_gram
 from shardmuon.ops.newton_schulz import NS_PRESETS, newton_schulz, newton_schulz_reference
+from shardmuon.ops.newton_schulz_gram import newton_schulz_gram
 from shardmuon.ops.newton_schulz_guard import GUARD_SLACK, band_high, guarded
 from shardmuon.runtime.agreement import _hash63, describe, first_difference
 from shardmuon.validation import AGREED_SETTINGS

@@ -12,18 +12,18 @@ import torch
 
 from shardmuon.bench.matrices import make_input, make_inputs
 from shardmuon.bench.matrices import relative_error as error
+from shardmuon.ops.newton_schulz import (
+    NS_PRESETS,
+    newton_schulz,
+    newton_schulz_reference,
+    newton_schulz_unfolded,
+)
 from shardmuon.ops.newton_schulz_gram import (
     default_restarts,
     gram_flops,
     gram_gemm_dtype,
     newton_schulz_gram,
     standard_flops,
-)
-from shardmuon.ops.newton_schulz import (
-    NS_PRESETS,
-    newton_schulz,
-    newton_schulz_reference,
-    newton_schulz_unfolded,
 )
 from shardmuon.ops.newton_schulz_guard import band_high, guarded
 

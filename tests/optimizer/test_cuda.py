@@ -31,8 +31,8 @@ def test_newton_schulz_on_cuda_is_close_to_fp64(shape: tuple[int, ...]) -> None:
 def test_gram_on_cuda_meets_the_error_targets_without_the_guard_firing(shape, dtype) -> None:
     """cuBLAS kernels, not the CPU's: Gram in fp16, and in bf16 (its GEMMs in fp16 on CUDA),
     at most the standard bf16 error; the guard quiet on Gaussian inputs."""
-    from shardmuon.ops.gram_newton_schulz import newton_schulz_gram
-    from shardmuon.ops.ns_guard import guarded
+    from shardmuon.ops.newton_schulz_gram import newton_schulz_gram
+    from shardmuon.ops.newton_schulz_guard import guarded
 
     G = torch.randn(shape, generator=torch.Generator().manual_seed(2))
     ref = newton_schulz_reference(G)

@@ -8,8 +8,8 @@ import torch
 from checks import set_random_grads
 
 from shardmuon import Muon
-from shardmuon.ops.gram_newton_schulz import newton_schulz_gram
 from shardmuon.ops.newton_schulz import newton_schulz
+from shardmuon.ops.newton_schulz_gram import newton_schulz_gram
 
 
 def _params(shapes=((16, 48), (48, 16), (24, 24), (3, 8, 32))):
@@ -84,7 +84,7 @@ def test_the_guard_counts_and_recomputes_a_diverged_result_in_the_step(monkeypat
 
 
 def test_an_explicit_false_turns_the_guard_off_under_auto_too() -> None:
-    from shardmuon.ops.ns_engine import Orthogonalizer
+    from shardmuon.ops.orthogonalizer import Orthogonalizer
 
     assert Orthogonalizer("auto", guard=False).guards == {"folded": False, "gram": False}
     assert Orthogonalizer("auto").guards == {"folded": False, "gram": True}
@@ -176,7 +176,7 @@ def test_the_engine_settings_survive_a_copy_and_enter_the_config() -> None:
 def test_auto_picks_by_a_rule_of_shape_and_device_alone() -> None:
     """The rule every rank applies alike: Gram for aspect >= 2.5 on CUDA, folded otherwise
     (on this CPU: folded everywhere, which the measurements support)."""
-    from shardmuon.ops.ns_engine import auto_choice
+    from shardmuon.ops.orthogonalizer import auto_choice
 
     assert auto_choice((8, 128, 512), "cuda") == "gram"
     assert auto_choice((8, 512, 128), "cuda") == "gram"

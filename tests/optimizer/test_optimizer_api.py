@@ -188,7 +188,7 @@ def test_step_chunk_twice_in_a_round_raises() -> None:
 
 def test_nan_gradient_stays_in_its_parameter() -> None:
     """Documented behaviour: a NaN grad skips that matrix's update (counted), nothing else
-    changes, and no weight becomes NaN (details in ``test_escapes_local.py``)."""
+    changes, and no weight becomes NaN (details in ``test_hazardous_inputs.py``)."""
     ps = _params()
     opt = Muon(_groups(ps))
     _set_grads(ps, 0)

@@ -14,7 +14,7 @@ import dist_workspace_cases
 import pytest
 import torch
 from checks import set_random_grads
-from dist_harness import worlds_running
+from dist_harness import WorldPlan
 
 from shardmuon import Muon
 from shardmuon.bench.memory import gemm_scratch_bytes, measure_cpu_step
@@ -261,15 +261,7 @@ def test_budget_is_live_and_replans() -> None:
 
 # ------------------------------------------------------------------ two ranks, measured
 
-WORLD_SIZES = (2,)
-
-
-@pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    names = list(dist_workspace_cases.CASES)
-    spec = "dist_workspace_cases:CASES"
-    with worlds_running(spec, lambda _: names, WORLD_SIZES, tmp_path_factory.mktemp) as w:
-        yield w
+WORLDS = WorldPlan("dist_workspace_cases:CASES", lambda _: list(dist_workspace_cases.CASES), (2,))
 
 
 @pytest.mark.slow

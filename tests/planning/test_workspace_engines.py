@@ -12,8 +12,8 @@ from checks import set_random_grads
 from shardmuon import Muon
 from shardmuon.bench.memory import gemm_scratch_bytes, measure_cpu_step
 from shardmuon.ops.engines import ENGINES
-from shardmuon.ops.gram_newton_schulz import gram_gemm_dtype
-from shardmuon.ops.ns_engine import EngineCost
+from shardmuon.ops.newton_schulz_gram import gram_gemm_dtype
+from shardmuon.ops.orthogonalizer import EngineCost
 from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.workspace import batch_bytes
 

@@ -22,6 +22,8 @@ from torch import nn
 from shardmuon.config import MuonConfig, build_qk_clip
 from shardmuon.qk_clip import QKClip
 
+pytestmark = pytest.mark.usefixtures("no_leftover_clips")
+
 VOCAB = 96
 SIZES = dict(
     hidden_size=64, n_embd=64, d_model=64, num_hidden_layers=1, n_layer=1, num_layers=1,
@@ -44,14 +46,6 @@ def tiny(model_type: str, impl: str = "sdpa", **extra) -> nn.Module:
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     return model.train()
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_clips():
-    yield
-    from shardmuon.qk_clip import recording
-
-    assert not recording._INSTALLED, "a test left a QKClip installed (call remove())"
 
 
 @pytest.fixture

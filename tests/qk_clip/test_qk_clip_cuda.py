@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_reference import capture_attention_inputs, reference_max_logits
-from test_qk_clip import make_model, tokens
+from qk_models import make_model, tokens
 
 from shardmuon.qk_clip import QKClip
 

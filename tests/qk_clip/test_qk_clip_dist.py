@@ -6,29 +6,16 @@ from __future__ import annotations
 
 import dist_qk_clip_cases
 import pytest
-from dist_harness import worlds_running
+from dist_harness import WorldPlan
 
 pytestmark = pytest.mark.slow
 
-WORLD_SIZES = (2, 4)
-WORLD_CASES = [
-    (world, name) for world in WORLD_SIZES for name in dist_qk_clip_cases.cases_for(world)
-]
+WORLDS = WorldPlan(
+    "dist_qk_clip_cases:CASES", dist_qk_clip_cases.cases_for, (2, 4), collective_timeout_s=60.0
+)
 
 
-@pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    with worlds_running(
-        "dist_qk_clip_cases:CASES",
-        dist_qk_clip_cases.cases_for,
-        WORLD_SIZES,
-        tmp_path_factory.mktemp,
-        collective_timeout_s=60.0,
-    ) as running:
-        yield running
-
-
-@pytest.mark.parametrize(("world", "name"), WORLD_CASES, ids=[f"{w}-{n}" for w, n in WORLD_CASES])
+@pytest.mark.parametrize(("world", "name"), WORLDS.params("{world}-{name}"))
 def test_distributed(worlds, world, name) -> None:
     worlds[world].check(name)
 

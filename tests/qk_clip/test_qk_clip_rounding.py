@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_reference import capture_attention_inputs, reference_max_logits
-from test_qk_clip import make_model, tokens
+from qk_models import make_model, tokens
 
 from shardmuon.qk_clip import QKClip
 from shardmuon.qk_clip.logits import rounding_slack, unit_roundoff
@@ -23,12 +23,7 @@ SEEDS = range(6)
 FRACTIONS = (0.5, 0.8, 0.999)
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_clips():
-    yield
-    from shardmuon.qk_clip import recording
-
-    assert not recording._INSTALLED, "a test left a QKClip installed (call remove())"
+pytestmark = pytest.mark.usefixtures("no_leftover_clips")
 
 
 def _worst_ratio(kind: str, kv_heads: int, dtype: torch.dtype, alpha: float) -> float:

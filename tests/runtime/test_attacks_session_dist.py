@@ -7,54 +7,38 @@ from __future__ import annotations
 
 import dist_attack_cases
 import pytest
-from dist_harness import free_ports, launch_world
+from dist_harness import WorldPlan
 
 pytestmark = pytest.mark.slow
 
-WORLD_SIZES = (2, 3)
-CASES = [
-    pytest.param(world, name, id=f"world{world}-{name}")
-    for world in WORLD_SIZES
-    for name in dist_attack_cases.cases_for(world)
-]
+WORLDS = WorldPlan(
+    "dist_attack_cases:CASES",
+    dist_attack_cases.cases_for,
+    (2, 3),
+    timeout_s=240.0,
+    collective_timeout_s=30.0,
+)
+RISKY_WORLD = WorldPlan(
+    "dist_attack_cases:RISKY",
+    lambda _: list(dist_attack_cases.RISKY),
+    (2,),
+    timeout_s=120.0,
+    collective_timeout_s=15.0,
+)
 RISKY = [pytest.param(name, id=name) for name in dist_attack_cases.RISKY]
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    launched = {}
-    try:
-        ports = free_ports(len(WORLD_SIZES) + 1)
-        for world, port in zip(WORLD_SIZES, ports):
-            launched[world] = launch_world(
-                world,
-                "dist_attack_cases:CASES",
-                dist_attack_cases.cases_for(world),
-                tmp_path_factory.mktemp(f"attacks{world}"),
-                port=port,
-                timeout_s=240.0,
-                collective_timeout_s=30.0,
-            )
-        launched["risky"] = launch_world(
-            2,
-            "dist_attack_cases:RISKY",
-            list(dist_attack_cases.RISKY),
-            tmp_path_factory.mktemp("attacks_risky"),
-            port=ports[-1],
-            timeout_s=120.0,
-            collective_timeout_s=15.0,
-        )
-        yield launched
-    finally:
-        for world in launched.values():
-            world.kill()
+def risky_world(tmp_path_factory):
+    with RISKY_WORLD.running(tmp_path_factory.mktemp) as running:
+        yield running[2]
 
 
-@pytest.mark.parametrize(("world", "name"), CASES)
+@pytest.mark.parametrize(("world", "name"), WORLDS.params())
 def test_ranks_that_disagree_get_one_error(worlds, world, name):
     worlds[world].check(name)
 
 
 @pytest.mark.parametrize("name", RISKY)
-def test_ranks_that_disagree_risky(worlds, name):
-    worlds["risky"].check(name)
+def test_ranks_that_disagree_risky(risky_world, name):
+    risky_world.check(name)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import dist_calibration_cases
 import pytest
 import torch
-from dist_harness import free_ports, launch_world
+from dist_harness import WorldPlan
 
 import shardmuon.runtime.calibration as calibration
 from shardmuon import Muon
-from shardmuon.ops.gram_newton_schulz import newton_schulz_gram
 from shardmuon.ops.newton_schulz import newton_schulz
+from shardmuon.ops.newton_schulz_gram import newton_schulz_gram
 
 
 @pytest.fixture(autouse=True)
@@ -83,21 +83,15 @@ def test_other_engines_do_not_calibrate(monkeypatch) -> None:
     Muon(params, newton_schulz_impl="gram").step()
 
 
+WORLDS = WorldPlan(
+    "dist_calibration_cases:CASES",
+    lambda _: list(dist_calibration_cases.CASES),
+    (2,),
+    timeout_s=240.0,
+    collective_timeout_s=60.0,
+)
+
+
 @pytest.mark.slow
-def test_every_rank_runs_rank_0s_choice(tmp_path) -> None:
-    (port,) = free_ports(1)
-    names = list(dist_calibration_cases.CASES)
-    world = launch_world(
-        2,
-        "dist_calibration_cases:CASES",
-        names,
-        tmp_path,
-        port=port,
-        timeout_s=240.0,
-        collective_timeout_s=60.0,
-    )
-    try:
-        for name in names:
-            world.check(name)
-    finally:
-        world.kill()
+def test_every_rank_runs_rank_0s_choice(worlds) -> None:
+    worlds[2].check(*dist_calibration_cases.CASES)

@@ -1,35 +1,25 @@
 """Issue #19's escapes, on gloo worlds of 2, 3, 4 and 8 ranks (cases in ``dist_escape_cases``).
 
 Every distributed case runs under a collective timeout, so a hang fails the test instead of
-stalling the suite.
+stalling the suite. Each case is bitwise like one process, and the collectives every rank
+issues pair up across the members of every group.
 """
 
 from __future__ import annotations
 
 import dist_escape_cases
 import pytest
-from dist_harness import worlds_running
+from dist_harness import WorldPlan
 
-WORLD_SIZES = (2, 3, 4, 8)
-WORLD_CASES = [
-    (world, name) for world in WORLD_SIZES for name in dist_escape_cases.cases_for(world)
-]
-
-
-@pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    spec = "dist_escape_cases:CASES"
-    with worlds_running(
-        spec,
-        dist_escape_cases.cases_for,
-        WORLD_SIZES,
-        tmp_path_factory.mktemp,
-        collective_timeout_s=30.0,
-    ) as running:
-        yield running
+WORLDS = WorldPlan(
+    "dist_escape_cases:CASES",
+    dist_escape_cases.cases_for,
+    (2, 3, 4, 8),
+    collective_timeout_s=30.0,
+)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "name"), WORLD_CASES, ids=[f"{w}-{n}" for w, n in WORLD_CASES])
+@pytest.mark.parametrize(("world", "name"), WORLDS.params("{world}-{name}"))
 def test_distributed(worlds, world, name) -> None:
     worlds[world].check(name)

@@ -1,7 +1,7 @@
 """Distribution from DTensor placements: world sizes 1-4 on gloo (CPU), many cases per world.
 
-Each world size is spawned once per session (all of them at the same time, only those whose
-tests were collected) and runs every case registered for it in ``dist_cases``; each
+Each world size is spawned once (all of them at the same time, only those whose tests were
+collected) and runs every collected case registered for it in ``dist_cases``; each
 (world, case) is then reported here as its own test, with the rank and message of every
 failing rank. A world has a wall-clock limit (``SHARDMUON_DIST_TIMEOUT`` seconds, default
 600), so a hang fails the cases it blocked instead of blocking CI.
@@ -16,51 +16,22 @@ import os
 
 import dist_cases
 import pytest
-from dist_harness import World, free_ports, launch_world
+from dist_harness import WorldPlan, launch_world
 
 pytestmark = pytest.mark.slow
 
 WORLD_SIZES = (1, 2, 3, 4)
 WORLD_TIMEOUT_S = float(os.environ.get("SHARDMUON_DIST_TIMEOUT", "600"))
-
-WORLD_CASES = [
-    pytest.param(world, name, id=f"world{world}-{name}")
-    for world in WORLD_SIZES
-    for name in dist_cases.cases_for(world)
-]
-
-
-@pytest.fixture(scope="session")
-def worlds(request, tmp_path_factory):
-    """Launch every world some collected test needs, at once; yield ``{world_size: World}``.
-
-    Each world runs only its collected cases (all of them unless ``-k`` deselected some).
-    """
-    wanted: dict[int, set[str]] = {}
-    for item in request.session.items:
-        if getattr(item, "function", None) is test_case:
-            params = item.callspec.params
-            wanted.setdefault(params["world"], set()).add(params["name"])
-    launched: dict[int, World] = {}
-    ports = free_ports(len(wanted))
-    try:
-        for world, port in zip(sorted(wanted), ports):
-            names = [n for n in dist_cases.cases_for(world) if n in wanted[world]]
-            launched[world] = launch_world(
-                world,
-                "dist_cases:CASES",
-                names,
-                tmp_path_factory.mktemp(f"world{world}"),
-                port=port,
-                timeout_s=WORLD_TIMEOUT_S,
-            )
-        yield launched
-    finally:
-        for world in launched.values():
-            world.kill()
+WORLDS = WorldPlan(
+    "dist_cases:CASES",
+    dist_cases.cases_for,
+    WORLD_SIZES,
+    timeout_s=WORLD_TIMEOUT_S,
+    collective_timeout_s=90.0,
+)
 
 
-@pytest.mark.parametrize(("world", "name"), WORLD_CASES)
+@pytest.mark.parametrize(("world", "name"), WORLDS.params())
 def test_case(worlds, world, name):
     worlds[world].check(name)
 

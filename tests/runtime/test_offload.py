@@ -10,7 +10,7 @@ import dist_offload_cases
 import pytest
 import torch
 from checks import assert_same_optimizers, set_random_grads
-from dist_harness import worlds_running
+from dist_harness import WorldPlan
 
 import shardmuon.runtime.phases as phases_module
 from shardmuon import ChunkInfo, Muon
@@ -189,15 +189,10 @@ def test_bad_offload_settings_are_refused(kwargs, match) -> None:
 # ------------------------------------------------------------------ two ranks
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    names = list(dist_offload_cases.CASES)
-    spec = "dist_offload_cases:CASES"
-    with worlds_running(spec, lambda _: names, (2,), tmp_path_factory.mktemp) as worlds:
-        yield worlds[2]
+WORLDS = WorldPlan("dist_offload_cases:CASES", lambda _: list(dist_offload_cases.CASES), (2,))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(dist_offload_cases.CASES))
-def test_distributed(world, name) -> None:
-    world.check(name)
+def test_distributed(worlds, name) -> None:
+    worlds[2].check(name)

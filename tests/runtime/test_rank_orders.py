@@ -9,26 +9,18 @@ from __future__ import annotations
 
 import dist_rank_order_cases
 import pytest
-from dist_harness import worlds_one_at_a_time
+from dist_harness import WorldPlan
 
-WORLD_SIZES = (2, 3, 4, 8)
-WORLD_CASES = [
-    (world, name) for world in WORLD_SIZES for name in dist_rank_order_cases.cases_for(world)
-]
-
-
-@pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    with worlds_one_at_a_time(
-        "dist_rank_order_cases:CASES",
-        dist_rank_order_cases.cases_for,
-        tmp_path_factory.mktemp,
-        timeout_s=900.0,
-    ) as world:
-        yield world
+WORLDS = WorldPlan(
+    "dist_rank_order_cases:CASES",
+    dist_rank_order_cases.cases_for,
+    (2, 3, 4, 8),
+    timeout_s=900.0,
+    one_at_a_time=True,
+)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "name"), WORLD_CASES, ids=[f"{w}-{n}" for w, n in WORLD_CASES])
+@pytest.mark.parametrize(("world", "name"), WORLDS.params("{world}-{name}"))
 def test_rank_orders(worlds, world, name) -> None:
-    worlds(world).check(name)
+    worlds[world].check(name)

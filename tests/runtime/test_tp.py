@@ -13,44 +13,21 @@ import re
 
 import dist_tp_cases
 import pytest
-from dist_harness import worlds_running
+from dist_harness import WorldPlan
 
 pytestmark = pytest.mark.slow
 
-WORLD_SIZES = (4, 8)
 WORLD_TIMEOUT_S = float(os.environ.get("SHARDMUON_DIST_TIMEOUT", "600"))
 TRAFFIC_LINE = re.compile(r"^TRAFFIC case=(\S+) world=(\d+) sent=(\d+) minimum=(\d+) ratio=(\S+)$")
 
-WORLD_CASES = [
-    pytest.param(world, name, id=f"world{world}-{name}")
-    for world in WORLD_SIZES
-    for name in dist_tp_cases.cases_for(world)
-]
+# Only the worlds and cases some collected test needs are launched (all of them when only the
+# summary test was selected).
+WORLDS = WorldPlan(
+    "dist_tp_cases:CASES", dist_tp_cases.cases_for, (4, 8), timeout_s=WORLD_TIMEOUT_S
+)
 
 
-@pytest.fixture(scope="module")
-def worlds(request, tmp_path_factory):
-    """Launch the worlds some collected test needs (both unless ``-k`` selected one world's
-    cases only), each running its collected cases; ``{world_size: World}``."""
-    wanted: dict[int, set[str]] = {}
-    for item in request.session.items:
-        if getattr(item, "function", None) is test_case:
-            params = item.callspec.params
-            wanted.setdefault(params["world"], set()).add(params["name"])
-    if not wanted:  # only the summary test was selected: run everything
-        wanted = {w: set(dist_tp_cases.cases_for(w)) for w in WORLD_SIZES}
-
-    def names(world: int) -> list[str]:
-        return [n for n in dist_tp_cases.cases_for(world) if n in wanted.get(world, ())]
-
-    spec = "dist_tp_cases:CASES"
-    with worlds_running(
-        spec, names, tuple(sorted(wanted)), tmp_path_factory.mktemp, timeout_s=WORLD_TIMEOUT_S
-    ) as launched:
-        yield launched
-
-
-@pytest.mark.parametrize(("world", "name"), WORLD_CASES)
+@pytest.mark.parametrize(("world", "name"), WORLDS.params())
 def test_case(worlds, world, name):
     worlds[world].check(name)
 

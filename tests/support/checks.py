@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
+from torch.nn import Parameter
 
 
 def set_random_grads(params, seed: int, scale: float = 1.0) -> None:
@@ -12,6 +15,27 @@ def set_random_grads(params, seed: int, scale: float = 1.0) -> None:
     gen = torch.Generator().manual_seed(seed)
     for p in params:
         p.grad = (torch.randn(p.shape, generator=gen) * scale).to(p.dtype)
+
+
+def set_grads(params, grads) -> None:
+    """Give each parameter a copy of its grad in ``grads`` (in order)."""
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+
+
+def clone_params(params) -> list[Parameter]:
+    """New parameters holding copies of ``params``' values (a twin for a reference run)."""
+    return [Parameter(p.detach().clone()) for p in params]
+
+
+def snapshot(params) -> list[Tensor]:
+    """Detached copies of the parameters' current values."""
+    return [p.detach().clone() for p in params]
+
+
+def differs(params_a, params_b) -> bool:
+    """Whether any parameter of ``params_a`` differs in a bit from its twin in ``params_b``."""
+    return any(not torch.equal(a.detach(), b.detach()) for a, b in zip(params_a, params_b))
 
 
 def assert_bitwise(a: Tensor, b: Tensor, what: str = "") -> None:
@@ -24,8 +48,44 @@ def assert_bitwise(a: Tensor, b: Tensor, what: str = "") -> None:
         raise AssertionError(f"{what}: max |diff| {diff:.3g}")
 
 
+def assert_all_bitwise(actual, expected, what: str = "param") -> None:
+    """As many tensors, each with the same dtype, shape and bits as its twin."""
+    assert len(actual) == len(expected), f"{what}: {len(actual)} tensors vs {len(expected)}"
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert_bitwise(a, e, f"{what} {i} (shape {tuple(a.shape)})")
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Recursive equality for state dicts and param groups: tensors compared bitwise (dtype
+    and shape too), dicts by their keys, lists and tuples by type and length."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        assert isinstance(a, Tensor) and isinstance(b, Tensor), f"{path}: {a!r} vs {b!r}"
+        assert_bitwise(a, b, path)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {set(a)} vs {set(b)}"
+        for key in a:
+            assert_same(a[key], b[key], f"{path}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{path}: {a!r} vs {b!r}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
 def state_tensor_keys(opt, p: Tensor) -> list[str]:
     return sorted(k for k, v in opt.state[p].items() if isinstance(v, Tensor))
+
+
+def params_of(opt) -> list[Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def assert_same_state(opt_a, opt_b) -> None:
+    """Per-parameter state equal (:func:`assert_same`), matched by position (the optimizers
+    hold different tensors)."""
+    for i, (a, b) in enumerate(zip(params_of(opt_a), params_of(opt_b))):
+        assert_same(opt_a.state[a], opt_b.state[b], f"state of param {i}")
 
 
 def assert_same_optimizers(opt_a, params_a, opt_b, params_b) -> None:
@@ -40,3 +100,24 @@ def assert_same_optimizers(opt_a, params_a, opt_b, params_b) -> None:
             assert_bitwise(opt_a.state[pa][key], opt_b.state[pb][key], f"param {i} {key}")
     steps_a = [g["step"] for g in opt_a.param_groups]
     assert steps_a == [g["step"] for g in opt_b.param_groups], "group steps differ"
+
+
+def optimizer_snapshot(opt, params) -> tuple[list[Tensor], list[dict], list[Any]]:
+    """Copies of the params, of every state tensor and of the groups' steps, for
+    :func:`assert_unchanged`."""
+    return (
+        snapshot(params),
+        [{k: opt.state[p][k].clone() for k in state_tensor_keys(opt, p)} for p in params],
+        [g["step"] for g in opt.param_groups],
+    )
+
+
+def assert_unchanged(opt, params, snap) -> None:
+    """Params, state tensors and group steps bitwise as :func:`optimizer_snapshot` saw them."""
+    values, states, steps = snap
+    for i, (p, v, s) in enumerate(zip(params, values, states)):
+        assert_bitwise(p.detach(), v, f"param {i}")
+        assert state_tensor_keys(opt, p) == sorted(s)
+        for key, value in s.items():
+            assert_bitwise(opt.state[p][key], value, f"param {i} {key}")
+    assert [g["step"] for g in opt.param_groups] == steps

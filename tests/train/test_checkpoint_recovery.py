@@ -21,6 +21,7 @@ from shardmuon.train import CheckpointError, TrainConfig, run_training
 from shardmuon.train import checkpoint as ckpt_io
 from shardmuon.train.checkpoint import COMPLETE_MARKER, CorruptCheckpointError, step_dir
 from shardmuon.train.cli import main as train_main
+from shardmuon.train.config import optim_settings
 from shardmuon.train.recovery import find_checkpoint, repair_checkpoints, step_checkpoints
 
 TINY = TrainConfig(
@@ -262,12 +263,9 @@ def test_training_resumes_past_a_killed_save_and_a_damaged_checkpoint(tmp_path, 
 def test_resume_takes_optimizer_settings_from_the_checkpoint(tmp_path, capsys):
     root = tmp_path / "ck"
     lr = 0.02  # not the default (0.01)
-    full = run_training(dataclasses.replace(TINY, lr=lr, mu=0.9))
-    run_training(
-        dataclasses.replace(
-            TINY, lr=lr, mu=0.9, steps=2, checkpoint_dir=str(root), checkpoint_every=2
-        )
-    )
+    tuned = dataclasses.replace(TINY, optim=optim_settings(TINY.optim, lr=lr, mu=0.9))
+    full = run_training(tuned)
+    run_training(dataclasses.replace(tuned, steps=2, checkpoint_dir=str(root), checkpoint_every=2))
     common = ["--model", "tiny-dense", "--layers", "1", "--batch-size", "4", "--max-len", "4",
               "--nproc", "1", "--steps", "4", "--resume", str(root), "--no-progress"]  # fmt: skip
 
@@ -283,7 +281,8 @@ def test_resume_takes_optimizer_settings_from_the_checkpoint(tmp_path, capsys):
     out = tmp_path / "resumed.json"
     assert train_main([*common, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert (result["config"]["lr"], result["config"]["mu"]) == (lr, 0.9)
+    optim = result["config"]["optim"]
+    assert (optim["lr"], optim["mu"]) == (lr, 0.9)
     resumed = {item["step"]: item["loss"] for item in result["losses"]}
     assert resumed == {3: full.losses[3], 4: full.losses[4]}
 
@@ -295,14 +294,15 @@ def test_resume_takes_optimizer_settings_from_the_checkpoint(tmp_path, capsys):
 @pytest.mark.slow
 def test_dion_format_resume_refuses_other_group_settings(tmp_path, capsys):
     dion_file = tmp_path / "step2.pt"
-    run_training(dataclasses.replace(TINY, steps=2, lr=0.02, dion_out=str(dion_file)))
+    optim = optim_settings(TINY.optim, lr=0.02)
+    run_training(dataclasses.replace(TINY, steps=2, optim=optim, dion_out=str(dion_file)))
     common = ["--model", "tiny-dense", "--layers", "1", "--batch-size", "4", "--max-len", "4",
               "--nproc", "1", "--steps", "3", "--resume-dion", str(dion_file), "--no-progress"]  # fmt: skip
     assert train_main([*common, "--lr", "0.05"]) == 2
     assert "--lr 0.05 (checkpoint: 0.02)" in capsys.readouterr().err
     out = tmp_path / "r.json"
     assert train_main([*common, "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["config"]["lr"] == 0.02
+    assert json.loads(out.read_text())["config"]["optim"]["lr"] == 0.02
 
 
 def test_resume_from_nothing_is_still_an_error(tmp_path):

@@ -20,7 +20,7 @@ from fixtures import load_case
 from shardmuon.train import CharTokenizer, CheckpointError, ReverseTextTask, TrainConfig
 from shardmuon.train import checkpoint as ckpt_io
 from shardmuon.train.cli import main as train_main
-from shardmuon.train.config import range_means
+from shardmuon.train.config import optim_settings, range_means
 from shardmuon.train.data import IGNORE_INDEX, num_target_tokens, rank_slice
 from shardmuon.train.dion_format import read_dion_file
 from shardmuon.train.loop import build_optimizer, build_training_model, sft_loss_sum
@@ -32,7 +32,7 @@ BASE = TrainConfig(
     model="tiny-moe",
     num_layers=2,
     optimizer="muon",
-    lr=0.01,
+    optim={"lr": 0.01},
     steps=STEPS,
     batch_size=8,
     min_len=2,
@@ -45,8 +45,15 @@ BASE = TrainConfig(
 BF16_LOSS_RTOL = 0.03
 
 
+def _with(config: TrainConfig, optim=None, **changes) -> TrainConfig:
+    """``config`` with ``changes``; ``optim``: MuonConfig fields changed under ``optim``."""
+    if optim:
+        changes["optim"] = optim_settings(config.optim, **optim)
+    return dataclasses.replace(config, **changes)
+
+
 def _run(**changes) -> dict[int, float]:
-    return run_training(dataclasses.replace(BASE, **changes)).losses
+    return run_training(_with(BASE, **changes)).losses
 
 
 def _dcp_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
@@ -131,15 +138,15 @@ def test_range_means_only_reports_covered_ranges():
     [
         ({"optimizer": "sgd"}, "optimizer 'sgd' unknown"),
         ({"batch_size": 1, "nproc": 2}, r"batch_size \(1\) must be >= nproc \(2\)"),
-        ({"lr": -1.0}, "lr must be a finite number > 0, got -1.0"),
-        ({"coefficients": "nope"}, "nope"),
+        ({"optim": {"lr": 0.0}}, "lr must be a finite number > 0, got 0.0"),
+        ({"optim": {"newton_schulz_coefficients": "nope"}}, "nope"),
         ({"layout": "tp"}, "layout 'tp' unknown"),
         ({"checkpoint_every": 5}, "checkpoint_every needs checkpoint_dir"),
     ],
 )
 def test_bad_config_is_rejected(changes, message):
     with pytest.raises(ValueError, match=message):
-        dataclasses.replace(BASE, **changes).validate()
+        _with(BASE, **changes).validate()
 
 
 def test_cli_bad_value_exits_2_without_traceback(capsys):
@@ -189,7 +196,7 @@ def test_loss_goes_down(runs):
     tok = CharTokenizer()
     batch = ReverseTextTask(BASE.min_len, BASE.max_len, seed=12345).batch(1, 128, tok)
     tokens = num_target_tokens(batch["labels"][:, 1:])
-    model = build_training_model(BASE, tok)
+    model = build_training_model(BASE, tok.vocab_size)
     with torch.no_grad():
         initial = float(sft_loss_sum(model, batch)) / tokens
         saved = _dcp_tensors(runs["tmp"] / "U" / f"step-{STEPS:06d}", runs["tmp"])
@@ -204,7 +211,7 @@ def test_loss_goes_down(runs):
 @pytest.mark.slow
 def test_offloaded_state_trains_bitwise_like_without(runs):
     tmp = runs["tmp"]
-    losses = _run(offload="state", checkpoint_dir=str(tmp / "O"), checkpoint_every=STEPS)
+    losses = _run(optim={"offload": "state"}, checkpoint_dir=str(tmp / "O"), checkpoint_every=STEPS)
     assert losses == runs["U"]
     plain = _dcp_tensors(tmp / "U" / f"step-{STEPS:06d}", tmp)
     offloaded = _dcp_tensors(tmp / "O" / f"step-{STEPS:06d}", tmp)
@@ -306,7 +313,7 @@ def test_missing_optimizer_state_is_named(runs):
         run_training(dataclasses.replace(BASE, optimizer="adamw", resume=str(path)))
     # ... and the tensor check names the state such an optimizer would miss.
     config = dataclasses.replace(BASE, optimizer="adamw")
-    model = build_training_model(config, CharTokenizer())
+    model = build_training_model(config, CharTokenizer().vocab_size)
     optimizer = build_optimizer(config, model, None)
     expected = ckpt_io.expected_entries(ckpt_io.training_state_dict(model, optimizer))
     with pytest.raises(CheckpointError, match=r"missing optimizer state: .*exp_avg"):

@@ -11,20 +11,25 @@ import json
 import pytest
 
 from shardmuon.train.cli import main as train_main
-from shardmuon.train.config import TrainConfig
+from shardmuon.train.config import TrainConfig, optim_settings
 from shardmuon.train.run import run_training
 
 TAU = 10.0
 BASE = TrainConfig(
     model="tiny-llama",
     num_layers=2,
-    lr=0.05,
+    optim={"lr": 0.05},
     steps=24,
     batch_size=16,
     max_len=6,
     nproc=1,
     quiet=True,
 )
+
+
+def _clipping(config: TrainConfig, tau: float, **changes) -> TrainConfig:
+    optim = optim_settings(config.optim, qk_clip_threshold=tau)
+    return dataclasses.replace(config, optim=optim, **changes)
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +39,9 @@ def runs(tmp_path_factory):
     out["plain"] = run_training(BASE)
     out["logged"] = run_training(dataclasses.replace(BASE, log_max_logit=True))
     out["clipped"] = run_training(
-        dataclasses.replace(
-            BASE,
-            qk_clip_threshold=TAU,
-            json_out=str(tmp / "clip.json"),
-            plot_out=str(tmp / "clip.png"),
-        )
+        _clipping(BASE, TAU, json_out=str(tmp / "clip.json"), plot_out=str(tmp / "clip.png"))
     )
-    out["clipped2"] = run_training(dataclasses.replace(BASE, qk_clip_threshold=TAU, nproc=2))
+    out["clipped2"] = run_training(_clipping(BASE, TAU, nproc=2))
     return out
 
 
@@ -85,7 +85,7 @@ def test_two_ranks_clip_like_one(runs):
 @pytest.mark.slow
 def test_the_json_and_the_plot_carry_the_max_logit(runs):
     data = json.loads((runs["tmp"] / "clip.json").read_text())
-    assert data["config"]["qk_clip_threshold"] == TAU
+    assert data["config"]["optim"]["qk_clip_threshold"] == TAU
     assert [row["step"] for row in data["max_logits"]] == list(range(1, BASE.steps + 1))
     keys = {"step", "max_logit", "max_logit_after", "clipped_heads"}
     assert all(set(row) == keys for row in data["max_logits"])
@@ -119,10 +119,6 @@ def test_bad_qk_clip_settings_exit_2_before_training(argv, message, capsys):
 def test_expert_and_tensor_parallel_runs_clip(model, layout, nproc, tau):
     """QK-norm gains under expert parallelism; q/k rows split over tp ranks under FSDP2 over
     TP: heads clipped, and the bound after each clip."""
-    result = run_training(
-        dataclasses.replace(
-            BASE, model=model, layout=layout, nproc=nproc, steps=3, qk_clip_threshold=tau
-        )
-    )
+    result = run_training(_clipping(BASE, tau, model=model, layout=layout, nproc=nproc, steps=3))
     assert result.clipped_heads[1] > 0, result.clipped_heads
     assert max(result.max_logits_after.values()) <= tau * (1 + 1e-6)

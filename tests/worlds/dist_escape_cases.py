@@ -7,7 +7,7 @@ collectives each rank issues, which must pair up across the members of every gro
 * Random layouts and ``workspace_bytes`` budgets (many of them between what an owner and a
   non-owner of a batch need): every rank issues the same sequence of collectives.
 
-Run by ``test_escapes.py``.
+Run by ``test_collective_pairing.py``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ A cases module (named as ``"module:ATTR"``) provides ``ATTR``: a dict name -> ca
 the context, and optionally ``make_context(rank, world_size)`` (default: a
 :class:`WorkerContext`). Modules are imported by name in the children, so they must be
 importable from ``sys.path`` (spawn passes the parent's ``sys.path`` on).
+
+A test module declares its worlds as ``WORLDS = WorldPlan(...)`` and takes the ``worlds``
+fixture of ``tests/conftest.py``: ``{size: World}``, each world running the cases that were
+collected; a test checks its case with ``worlds[size].check(name)``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -36,11 +40,11 @@ __all__ = [
     "CaseResult",
     "WorkerContext",
     "World",
+    "WorldPlan",
+    "Worlds",
     "case_registry",
     "free_ports",
     "launch_world",
-    "worlds_one_at_a_time",
-    "worlds_running",
 ]
 
 # Lines of a rank's log shown when the world failed without a per-case result.
@@ -267,69 +271,98 @@ def launch_world(
     return world
 
 
-@contextlib.contextmanager
-def worlds_running(
-    cases_spec: str,
-    cases_for: Callable[[int], list[str]],
-    world_sizes: tuple[int, ...],
-    make_dir: Callable[[str], Path],
-    *,
-    timeout_s: float = 300.0,
-    collective_timeout_s: float = 60.0,
-):
-    """Launch one world per size (each running ``cases_for(size)``); yield them by size; kill
-    them on exit. ``make_dir(name)`` gives each world its output folder (``mktemp``)."""
-    launched: dict[int, World] = {}
-    try:
-        for size, port in zip(world_sizes, free_ports(len(world_sizes))):
-            launched[size] = launch_world(
-                size,
-                cases_spec,
-                cases_for(size),
-                make_dir(f"{cases_spec.split(':')[0]}{size}"),
-                port=port,
-                timeout_s=timeout_s,
-                collective_timeout_s=collective_timeout_s,
-            )
-        yield launched
-    finally:
-        for world in launched.values():
-            world.kill()
+@dataclass(frozen=True)
+class WorldPlan:
+    """The gloo worlds of one test module, declared as its ``WORLDS``: one world per size in
+    ``sizes``, each running ``cases_for(size)`` from ``cases_spec``. The ``worlds`` fixture
+    (``tests/conftest.py``) launches them, all at once, or ``one_at_a_time`` (each the first
+    time a test needs it, after the ones before it have finished: at most one world's
+    processes at a time, for large worlds on a small machine)."""
+
+    cases_spec: str
+    cases_for: Callable[[int], list[str]]
+    sizes: tuple[int, ...]
+    timeout_s: float = 300.0
+    collective_timeout_s: float = 60.0
+    one_at_a_time: bool = False
+
+    def params(self, id_format: str = "world{world}-{name}") -> list:
+        """A ``pytest.param(world, name)`` per case of every size, its id ``id_format``."""
+        import pytest
+
+        return [
+            pytest.param(world, name, id=id_format.format(world=world, name=name))
+            for world in self.sizes
+            for name in self.cases_for(world)
+        ]
+
+    @contextlib.contextmanager
+    def running(self, make_dir: Callable[[str], Path], selected: dict[int, set[str]] | None = None):
+        """Yield the :class:`Worlds` (killed on exit). ``selected``: the cases to run, by size
+        (``None`` or empty: every case of every size). ``make_dir(name)`` gives each world its
+        output folder (``mktemp``)."""
+        worlds = Worlds(self, make_dir, selected or {})
+        try:
+            if not self.one_at_a_time:
+                worlds.launch_all()
+            yield worlds
+        finally:
+            worlds.kill()
 
 
-@contextlib.contextmanager
-def worlds_one_at_a_time(
-    cases_spec: str,
-    cases_for: Callable[[int], list[str]],
-    make_dir: Callable[[str], Path],
-    *,
-    timeout_s: float = 600.0,
-    collective_timeout_s: float = 60.0,
-):
-    """Yield ``world(size)``, which launches the world of that size on first use (after the
-    ones before it have finished: at most one world's processes at a time, for large
-    worlds on a small machine); kill them all on exit."""
-    launched: dict[int, World] = {}
+class Worlds(Mapping):
+    """``{size: World}`` of a :class:`WorldPlan`: the sizes with a case to run. A world not
+    launched yet is launched when looked up, after the ones before it have finished."""
 
-    def world(size: int) -> World:
-        if size not in launched:
-            for other in launched.values():
+    def __init__(
+        self, plan: WorldPlan, make_dir: Callable[[str], Path], selected: dict[int, set[str]]
+    ) -> None:
+        self.plan = plan
+        self._make_dir = make_dir
+        self._selected = selected
+        self.sizes = tuple(s for s in plan.sizes if not selected or s in selected)
+        self._launched: dict[int, World] = {}
+
+    def launch_all(self) -> None:
+        """Launch every world at once (each on its own port, all free a moment ago)."""
+        for size, port in zip(self.sizes, free_ports(len(self.sizes))):
+            self._launch(size, port)
+
+    def names(self, size: int) -> list[str]:
+        """The cases the world of ``size`` runs, in their module's order."""
+        wanted = self._selected.get(size)
+        return [n for n in self.plan.cases_for(size) if not self._selected or n in wanted]
+
+    def _launch(self, size: int, port: int | None = None) -> None:
+        self._launched[size] = launch_world(
+            size,
+            self.plan.cases_spec,
+            self.names(size),
+            self._make_dir(f"{self.plan.cases_spec.split(':')[0]}{size}"),
+            port=port,
+            timeout_s=self.plan.timeout_s,
+            collective_timeout_s=self.plan.collective_timeout_s,
+        )
+
+    def __getitem__(self, size: int) -> World:
+        if size not in self._launched:
+            if size not in self.sizes:
+                raise KeyError(size)
+            for other in self._launched.values():
                 other.wait()
-            launched[size] = launch_world(
-                size,
-                cases_spec,
-                cases_for(size),
-                make_dir(f"{cases_spec.split(':')[0]}{size}"),
-                timeout_s=timeout_s,
-                collective_timeout_s=collective_timeout_s,
-            )
-        return launched[size]
+            self._launch(size)
+        return self._launched[size]
 
-    try:
-        yield world
-    finally:
-        for running in launched.values():
-            running.kill()
+    def __iter__(self):
+        return iter(self.sizes)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def kill(self) -> None:
+        """Stop every world launched (only the processes these worlds started)."""
+        for world in self._launched.values():
+            world.kill()
 
 
 def case_registry() -> tuple[dict[str, Callable], Callable, Callable[[int], list[str]]]:

@@ -41,16 +41,17 @@ __all__ = [
     "spread",
     "stderr_console",
     "synchronize",
+    "title_lines",
     "write_json",
     "write_outputs",
 ]
 
 
-def _console(stderr: bool):
+def _console(stderr: bool, width: int | None = None):
     from rich.console import Console
 
-    console = Console(stderr=stderr, highlight=False)
-    if not console.is_terminal:
+    console = Console(stderr=stderr, highlight=False, width=width)
+    if width is None and not console.is_terminal:
         # Piped or captured output (a log, a CI job) is read at the common 80 columns.
         console = Console(stderr=stderr, highlight=False, width=TABLE_WIDTH)
     return console
@@ -120,6 +121,39 @@ def fmt(value: float | None, spec: str = ".3g", suffix: str = "") -> str:
     return f"{value:{spec}}{suffix}"
 
 
+def title_lines(title: str, width: int = TABLE_WIDTH) -> list[str]:
+    """``title`` in lines of at most ``width`` characters, broken only between its
+    comma-separated phrases (a phrase longer than the width keeps a line of its own)."""
+    lines: list[str] = []
+    for phrase in title.split(", "):
+        if lines and len(lines[-1]) + 2 + len(phrase) <= width:
+            lines[-1] += ", " + phrase
+        else:
+            if lines:
+                lines[-1] += ","
+            lines.append(phrase)
+    return lines
+
+
+def _rich_table(columns: Sequence[str], rows: Sequence[Sequence[str]], keep: Sequence[int]):
+    """The rich table of ``columns[i]`` (and each row's cell i) for i in ``keep``."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for position, i in enumerate(keep):
+        widest = max((len(line) for line in columns[i].split("\n")), default=0)
+        table.add_column(
+            columns[i],
+            justify="left" if position == 0 else "right",
+            no_wrap=True,
+            min_width=widest,
+        )
+    for row in rows:
+        table.add_row(*(row[i] for i in keep))
+    return table
+
+
 def print_table(
     title: str,
     columns: Sequence[str],
@@ -129,19 +163,29 @@ def print_table(
 ) -> None:
     """Print a compact rich table to stdout, then ``caption`` and one line per ``legend`` entry.
 
-    The first column is left-aligned, the rest right-aligned. Cells never wrap (a number
-    broken over two lines misreads); a header wraps where it has a ``"\\n"``. ``legend`` is
+    The first column is left-aligned, the rest right-aligned. Nothing breaks mid-phrase: the
+    title wraps only between its comma-separated phrases, a header only where it has a
+    ``"\\n"`` (each column is at least as wide as its longest header line) and cells never
+    (a number broken over two lines misreads). A table wider than the console is printed as
+    several, each with the first column and as many of the next as fit. ``legend`` is
     ``(column, meaning)`` pairs: what each column means, under the table.
     """
-    from rich import box
-    from rich.table import Table
+    rows = [list(row) for row in rows]
+    console = _console(stderr=False)
+    wide = console.options.update(max_width=10**4)
 
-    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
-    for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
-    for row in rows:
-        table.add_row(*row)
-    _console(stderr=False).print(table)
+    def width(keep: list[int]) -> int:
+        return console.measure(_rich_table(columns, rows, keep), options=wide).maximum
+
+    parts: list[list[int]] = [[]]
+    for i in range(1, len(columns)):
+        if parts[-1] and width([0, *parts[-1], i]) > console.width:
+            parts.append([])
+        parts[-1].append(i)
+    for line in title_lines(title, console.width):
+        console.print(line, style="italic", markup=False, highlight=False)
+    for part in parts:
+        console.print(_rich_table(columns, rows, [0, *part]))
     print_legend(legend, caption)
 
 

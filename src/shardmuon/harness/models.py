@@ -112,6 +112,24 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         ),
         "tiny Llama: 2 layers, hidden 128, GQA 4/2 heads, no QK-norm; for QK-clip runs",
     ),
+    # shardmuon train --task lm's model: byte-level (256 bytes and an end-of-text id), a
+    # sequence of 256, sized so that 300 steps at 2 CPU ranks take a few minutes
+    # (docs/training.md has the measured step time).
+    "lm-llama": ModelPreset(
+        "LlamaConfig",
+        dict(
+            vocab_size=257,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+        "small Llama for byte-level LM: 3 layers, hidden 128, GQA 4/2 heads, sequence 256",
+    ),
     # Qwen/Qwen3-30B-A3B config.json.
     "qwen3-30b-a3b": ModelPreset(
         "Qwen3MoeConfig",

@@ -6,8 +6,9 @@ heads above the threshold, on every layout the optimizer runs on. See ``docs/des
 ("QK-clip") for the rule and what is refused.
 """
 
-from shardmuon.qk_clip.clip import LayerClipStats, QKClip, QKClipStats, check_qk_clip_settings
+from shardmuon.qk_clip.clip import LayerClipStats, QKClip, QKClipStats
 from shardmuon.qk_clip.discovery import AttentionLayer, find_attention_layers
+from shardmuon.qk_clip.settings import check_qk_clip_settings
 
 __all__ = [
     "AttentionLayer",

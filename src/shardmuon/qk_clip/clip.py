@@ -10,7 +10,6 @@ and the DTensor side in :mod:`~shardmuon.qk_clip.shards`; this module plans and 
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 import weakref
 import zlib
@@ -38,6 +37,7 @@ from shardmuon.qk_clip.recording import (
     install,
     uninstall,
 )
+from shardmuon.qk_clip.settings import check_qk_clip_settings
 from shardmuon.qk_clip.shards import check_scalable, scale_rows_, scale_whole_
 
 __all__ = ["LayerClipStats", "QKClip", "QKClipStats", "check_qk_clip_settings"]
@@ -63,9 +63,10 @@ class LayerClipStats:
 
 @dataclass(frozen=True)
 class QKClipStats:
-    """What one :meth:`QKClip.apply` saw and did, per layer."""
+    """What one :meth:`QKClip.apply` saw and did, per layer (``threshold`` ``None``: a
+    record-only clip, which scales nothing)."""
 
-    threshold: float
+    threshold: float | None
     layers: tuple[LayerClipStats, ...]
 
     @property
@@ -105,36 +106,6 @@ class QKClipStats:
         }
 
 
-def _real(name: str, value: object) -> float:
-    """``value`` as a float: Python, numpy and 0-d tensor numbers; bools and strings refused."""
-    if isinstance(value, Tensor) and value.numel() == 1 and not value.dtype.is_complex:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(f"{name} must be a finite number, got {value!r}") from None
-
-
-def check_qk_clip_settings(
-    threshold: float, alpha: float, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
-) -> tuple[float, float]:
-    """``TypeError``/``ValueError`` naming a bad QK-clip setting and what is accepted; the
-    threshold and alpha as floats."""
-    tau = _real("threshold", threshold)
-    if not math.isfinite(tau) or tau <= 0:
-        raise ValueError(f"threshold must be a finite number > 0, got {threshold!r}")
-    share = _real("alpha", alpha)
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1] (the query's share of the scale), got {alpha!r}")
-    if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int):
-        raise TypeError(f"chunk_elements must be an int, got {chunk_elements!r}")
-    if chunk_elements < 1:
-        raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
-    return tau, share
-
-
 def _targets(layer: AttentionLayer) -> list[tuple[str, Tensor]]:
     """The parameters one layer's clip writes, by name."""
     if layer.qk_norm:
@@ -168,6 +139,8 @@ class QKClip:
         threshold: tau, the largest max logit a head may keep (default 100, Kimi K2's); a
             clipped head is aimed a rounding slack below it (fp32 2^-16, bf16 1/32:
             :func:`~shardmuon.qk_clip.logits.rounding_slack`) so that it ends at or below.
+            ``None``: record only, a clip that measures every head's max logit and never
+            scales (its stats count no clipped head; the logits after are the logits).
         alpha: the query's share of the scale (default 0.5): a clipped head's query rows
             are scaled by ``gamma ** alpha``, its key rows by ``gamma ** (1 - alpha)``
             (grouped-query: the smallest gamma of the key's query heads).
@@ -179,7 +152,7 @@ class QKClip:
     def __init__(
         self,
         model: nn.Module,
-        threshold: float = 100.0,
+        threshold: float | None = 100.0,
         alpha: float = 0.5,
         *,
         process_group: dist.ProcessGroup | None = None,
@@ -236,13 +209,19 @@ class QKClip:
     # ------------------------------------------------------------------------- settings
 
     @property
-    def threshold(self) -> float:
-        """tau; set it on every rank alike (``apply()`` refuses ranks that differ)."""
+    def threshold(self) -> float | None:
+        """tau (``None``: record only); set it on every rank alike (``apply()`` refuses ranks
+        that differ)."""
         return self._threshold
 
     @threshold.setter
-    def threshold(self, value: float) -> None:
+    def threshold(self, value: float | None) -> None:
         self._threshold, _ = check_qk_clip_settings(value, self._alpha)
+
+    @property
+    def record_only(self) -> bool:
+        """Whether this clip only measures (``threshold`` is ``None``)."""
+        return self._threshold is None
 
     @property
     def alpha(self) -> float:
@@ -284,7 +263,9 @@ class QKClip:
         if failed:
             return [1.0] + [0.0] * 8
         fields = [0.0]
-        for value in (self._threshold, self._alpha, *self._digest()):
+        # Thresholds are > 0, so 0 stands for record only.
+        threshold = 0.0 if self._threshold is None else self._threshold
+        for value in (threshold, self._alpha, *self._digest()):
             fields += [value, -value]
         return fields
 
@@ -334,7 +315,8 @@ class QKClip:
         """Reduce the recorded maxima over the ranks (one all-reduce), scale the query and
         key rows of every head above the target (the threshold less its rounding slack),
         reset the records; returns (and keeps as ``last_stats``) what it saw and did.
-        ``scale=False`` only measures (the stats count the heads it would clip). Raises on
+        ``scale=False`` only measures (the stats count the heads it would clip); a
+        record-only clip (``threshold=None``) never scales and counts none. Raises on
         every rank alike when no forward pass was recorded, when a layer recorded nothing
         while others did, or when a max logit is not finite."""
         self._check_implementations()
@@ -408,6 +390,9 @@ class QKClip:
     def _clip_layer(
         self, layer: AttentionLayer, maxima: Tensor, roundoff: float, scale: bool
     ) -> LayerClipStats:
+        if self._threshold is None:
+            logits = tuple(maxima.tolist())
+            return LayerClipStats(layer.name, logits, 0, 1.0, logits)
         # Measured and rounded logits land a few roundoffs either side of where they are
         # aimed: aim that far below tau, so that the rounded weights' logits stay below it.
         weights = max(unit_roundoff(param.dtype) for _, param in _targets(layer))

@@ -12,46 +12,50 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from shardmuon.harness.cli_support import (
-    LAYERS_HELP,
     ArgumentParser,
     HelpFormatter,
-    Number,
     add_hidden_alias,
     check_outputs,
-    nonnegative_float,
-    nonnegative_int,
     note,
     note_written,
-    positive_float,
-    positive_int,
-    seed_int,
-    unit_interval,
 )
 from shardmuon.harness.machine import DTYPES, fp16_cpu_note
 from shardmuon.harness.mesh_flags import default_mesh_note
-from shardmuon.harness.models import MODEL_PRESETS
 from shardmuon.harness.parallel import parse_mesh_shape, plan_layout
-from shardmuon.harness.processes import NPROC_RULE
-from shardmuon.ops.engines import NS_CHOICES
-from shardmuon.ops.newton_schulz import NS_PRESETS
-from shardmuon.train.config import OPTIMIZERS, TRAIN_LAYOUTS, TrainConfig, TrainResult
-from shardmuon.train.resume import RESUME_FIXED, adopt_checkpoint_settings
+from shardmuon.train.cli_flags import (
+    FIXED_FIELDS,
+    OPTIM_FLAGS,
+    TASK_ONLY,
+    add_data_flags,
+    add_model_flags,
+    add_optimizer_flags,
+    add_run_flags,
+)
+from shardmuon.train.config import TrainConfig, TrainResult, task_config
+from shardmuon.train.resume import adopt_checkpoint_settings
 from shardmuon.train.run import run_training
 
 _DESCRIPTION = """\
-Supervised fine-tuning of a tiny random-init Qwen3 / Qwen3-MoE on a synthetic
-reverse-text task, with FSDP2 over N processes (or over tensor parallel:
---layout fsdp-tp --mesh DPxTP) and DCP checkpoints
-(docs/training.md).
+Train a tiny random-init Hugging Face model with FSDP2 over N processes (or over
+tensor parallel: --layout fsdp-tp --mesh DPxTP) and DCP checkpoints
+(docs/training.md). Two tasks:
+
+  --task reverse  supervised fine-tuning of a tiny Qwen3 / Qwen3-MoE on a
+                  synthetic reverse-text task (the default)
+  --task lm       byte-level causal LM pretraining of a small Llama on real text
+                  (--data: a file or a directory of .py .md .txt .rst files;
+                  default: this Python's standard library), with a held-out loss
+                  every --eval-every steps on text it never trains on
 
 On --resume / --resume-dion the optimizer settings (--optimizer, --coefficients,
---update-rms, --lr, --weight-decay, --mu, --nesterov) are the checkpoint's:
+--ns-impl, --ns-dtype, --ns-preconditioner, --update-rms, --lr, --adamw-lr,
+--weight-decay, --mu, --nesterov, --warmup, --schedule) are the checkpoint's:
 leave them out and they are taken from it; give one with another value and the
 run is refused, since the checkpoint's param groups would override it. --json
 records the settings that ran.
@@ -60,191 +64,19 @@ records the settings that ran.
 """
 
 
-def _resume_fixed_help(text: str, default: object) -> str:
-    return f"{text} (default: {default}; on --resume: the checkpoint's)"
-
-
 def add_parser(subparsers) -> None:
     """Register ``train`` (with the nested ``train plot``) on an argparse subparsers object."""
-    defaults = TrainConfig()
     train = subparsers.add_parser(
         "train",
-        help="reverse-text SFT of a tiny Qwen3/Qwen3-MoE (FSDP2, DCP checkpoints)",
+        help="reverse-text SFT or byte-level LM pretraining of a tiny model (FSDP2, DCP)",
         description=_DESCRIPTION,
         formatter_class=HelpFormatter,
         allow_abbrev=False,
     )
-    train.add_argument(
-        "--model", choices=sorted(MODEL_PRESETS), default=defaults.model, help="model preset"
-    )
-    train.add_argument(
-        "--layers",
-        dest="num_layers",
-        metavar="N",
-        type=positive_int,
-        default=defaults.num_layers,
-        help=LAYERS_HELP,
-    )
-    add_hidden_alias(train, "--num-layers", "num_layers", type=positive_int)
-    train.add_argument(
-        "--optimizer",
-        choices=OPTIMIZERS,
-        default=None,
-        help=_resume_fixed_help("optimizer", defaults.optimizer),
-    )
-    train.add_argument(
-        "--coefficients",
-        choices=sorted(NS_PRESETS),
-        default=None,
-        help=_resume_fixed_help("Newton-Schulz coefficient preset", defaults.coefficients),
-    )
-    train.add_argument(
-        "--ns-impl",
-        choices=NS_CHOICES,
-        default=None,
-        help=_resume_fixed_help("Newton-Schulz engine", defaults.ns_impl),
-    )
-    train.add_argument(
-        "--ns-dtype",
-        choices=tuple(DTYPES),
-        default=None,
-        help=_resume_fixed_help("Newton-Schulz iteration dtype", defaults.ns_dtype),
-    )
-    train.add_argument(
-        "--ns-preconditioner",
-        choices=("aol",),
-        default=None,
-        help=_resume_fixed_help(
-            "Newton-Schulz preconditioner ('aol': Turbo-Muon's row scaling, then the 4-step "
-            "'aol' coefficients unless --coefficients is given)",
-            "none",
-        ),
-    )
-    train.add_argument(
-        "--update-rms",
-        type=positive_float,
-        default=None,
-        help=_resume_fixed_help("update RMS of Muon's rms_norm scaling", defaults.update_rms),
-    )
-    train.add_argument(
-        "--lr",
-        type=positive_float,
-        default=None,
-        help=_resume_fixed_help("learning rate", defaults.lr),
-    )
-    train.add_argument(
-        "--weight-decay",
-        type=nonnegative_float,
-        default=None,
-        help=_resume_fixed_help("decoupled weight decay", defaults.weight_decay),
-    )
-    train.add_argument(
-        "--mu",
-        type=Number(float, 0, 1, high_open=True),
-        default=None,
-        help=_resume_fixed_help("Muon momentum, in [0, 1)", defaults.mu),
-    )
-    train.add_argument(
-        "--nesterov",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help=_resume_fixed_help("Nesterov momentum", "off"),
-    )
-    train.add_argument(
-        "--offload",
-        choices=("none", "state"),
-        default="none",
-        help="Muon's optimizer-state offload: 'state' keeps momentum/variance in host memory, "
-        "streamed chunk by chunk (the same update, bit for bit; may differ from the checkpoint's)",
-    )
-    train.add_argument(
-        "--qk-clip-threshold",
-        type=positive_float,
-        default=None,
-        metavar="TAU",
-        help="QK-clip: after each step, scale the query/key rows of every attention head whose "
-        "max logit exceeded TAU (shardmuon.qk_clip.QKClip; Kimi K2 uses 100); off by default",
-    )
-    train.add_argument(
-        "--qk-clip-alpha",
-        type=unit_interval,
-        default=None,
-        metavar="A",
-        help=f"QK-clip: the query's share of the scale, in [0, 1] (default {defaults.qk_clip_alpha})",
-    )
-    train.add_argument(
-        "--log-max-logit",
-        action="store_true",
-        help="record every head's max attention logit per step (in --json and --plot) "
-        "without clipping; always on with --qk-clip-threshold",
-    )
-    train.add_argument(
-        "--steps", type=positive_int, default=defaults.steps, help="train up to this step"
-    )
-    train.add_argument(
-        "--batch-size", type=positive_int, default=defaults.batch_size, help="global batch size"
-    )
-    train.add_argument("--seed", type=seed_int, default=defaults.seed, help="model init and data")
-    train.add_argument(
-        "--min-len", type=positive_int, default=defaults.min_len, help="shortest string"
-    )
-    train.add_argument(
-        "--max-len", type=positive_int, default=defaults.max_len, help="longest string"
-    )
-    train.add_argument(
-        "--nproc",
-        type=positive_int,
-        default=defaults.nproc,
-        help=f"processes (ranks); {NPROC_RULE}",
-    )
-    train.add_argument(
-        "--layout",
-        choices=TRAIN_LAYOUTS,
-        default=defaults.layout,
-        help="how params are sharded (fsdp-tp: tensor parallel over TP ranks, FSDP2 over DP)",
-    )
-    train.add_argument(
-        "--mesh",
-        metavar="DPxTP",
-        default=None,
-        help="fsdp-tp's mesh shape, e.g. 2x2 (default: TP 2 when --nproc is even)",
-    )
-    train.add_argument("--checkpoint-dir", metavar="PATH", default=None, help="DCP checkpoints")
-    train.add_argument(
-        "--checkpoint-every",
-        metavar="N",
-        type=nonnegative_int,
-        default=defaults.checkpoint_every,
-        help="save every N steps (0: never)",
-    )
-    train.add_argument(
-        "--resume",
-        metavar="PATH",
-        default=None,
-        help="DCP checkpoint dir, or a root of step-* dirs (the newest undamaged one); "
-        "a file = dion format",
-    )
-    train.add_argument(
-        "--resume-dion",
-        metavar="PATH",
-        default=None,
-        help="torch.save file {'model', 'optimizer', 'step'}",
-    )
-    train.add_argument(
-        "--dion-out",
-        metavar="PATH",
-        default=None,
-        help="also write a dion-format file at the end of the run",
-    )
-    train.add_argument(
-        "--json", metavar="PATH", default=None, help="write per-step losses and the config here"
-    )
-    train.add_argument("--csv", metavar="PATH", default=None, help="write step,loss rows here")
-    train.add_argument("--plot", metavar="PATH", default=None, help="write the loss curve (PNG)")
-    train.add_argument("--no-progress", dest="quiet", action="store_true", help="no progress bar")
-    add_hidden_alias(train, "--quiet", "quiet", action="store_true")
-    # Deprecated spelling of --json / --csv (by the file's suffix).
-    add_hidden_alias(train, "--out", "deprecated_out")
+    add_model_flags(train)
+    add_optimizer_flags(train)
+    add_data_flags(train)
+    add_run_flags(train)
     train.set_defaults(func=_run_train)
 
     nested = train.add_subparsers(dest="train_command", metavar="{plot}")
@@ -260,7 +92,9 @@ def add_parser(subparsers) -> None:
     plot.add_argument("--plot", metavar="PATH", default=None, help="PNG to write (required)")
     add_hidden_alias(plot, "--out", "plot")
     plot.add_argument("--labels", nargs="+", default=None, help="one label per run")
-    plot.add_argument("--title", default="reverse-text SFT loss", help="title of the figure")
+    plot.add_argument(
+        "--title", default=None, help="title of the figure (default: the task's loss)"
+    )
     plot.add_argument("--linear", action="store_true", help="linear y axis (default: log)")
     plot.set_defaults(func=_run_plot)
 
@@ -281,25 +115,55 @@ def _outputs_from_args(args: argparse.Namespace) -> tuple[str | None, str | None
     return (out, csv_out) if suffix == ".json" else (json_out, out)
 
 
+def _optim_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The MuonConfig fields the flags set (the aol preset follows --ns-preconditioner)."""
+    optim = {
+        field: getattr(args, dest)
+        for dest, field in OPTIM_FLAGS.items()
+        if getattr(args, dest) is not None
+    }
+    if "newton_schulz_dtype" in optim:
+        dtype = DTYPES[optim["newton_schulz_dtype"]]
+        optim["newton_schulz_dtype"] = str(dtype).removeprefix("torch.")
+    if optim.get("newton_schulz_preconditioner") == "aol" and args.coefficients is None:
+        optim["newton_schulz_coefficients"] = "aol"
+    if args.offload != "none":
+        optim["offload"] = args.offload
+    return optim
+
+
+def _check_task_flags(args: argparse.Namespace) -> None:
+    for dest, (flag, task) in TASK_ONLY.items():
+        if getattr(args, dest) is not None and args.task != task:
+            raise ValueError(f"{flag} is a --task {task} flag; this run is --task {args.task}")
+    if args.qk_clip_alpha is not None and args.qk_clip_threshold is None:
+        raise ValueError(
+            f"--qk-clip-alpha {args.qk_clip_alpha} given without --qk-clip-threshold: alpha only "
+            "matters when clipping; give the threshold too"
+        )
+
+
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
+    _check_task_flags(args)
     json_out, csv_out = _outputs_from_args(args)
-    given = {name for name in RESUME_FIXED if getattr(args, name) is not None}
-    config = TrainConfig(
-        model=args.model,
-        num_layers=args.num_layers,
-        steps=args.steps,
-        batch_size=args.batch_size,
+    given = {f"optim.{OPTIM_FLAGS[d]}" for d in OPTIM_FLAGS if getattr(args, d) is not None}
+    given |= {FIXED_FIELDS[d] for d in FIXED_FIELDS if getattr(args, d) is not None}
+    if args.ns_preconditioner == "aol":
+        given.add("optim.newton_schulz_coefficients")
+    # TrainConfig fields set by the flag of the same name, when given (the rest keep the
+    # task's defaults).
+    same_name = ("model", "num_layers", "steps", "batch_size", "adamw_lr", "schedule", *TASK_ONLY)
+    fields = {dest: getattr(args, dest) for dest in same_name if getattr(args, dest) is not None}
+    if args.warmup is not None:
+        fields["warmup_steps"] = args.warmup
+    config = task_config(
+        args.task,
+        args.optimizer or TrainConfig.optimizer,
+        optim=_optim_from_args(args),
         seed=args.seed,
-        min_len=args.min_len,
-        max_len=args.max_len,
         nproc=args.nproc,
         layout=args.layout,
         mesh=parse_mesh_shape(args.mesh, "DPxTP, e.g. 2x2"),
-        offload=None if args.offload == "none" else args.offload,
-        qk_clip_threshold=args.qk_clip_threshold,
-        qk_clip_alpha=TrainConfig.qk_clip_alpha
-        if args.qk_clip_alpha is None
-        else args.qk_clip_alpha,
         log_max_logit=args.log_max_logit,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
@@ -310,21 +174,14 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         csv_out=csv_out,
         plot_out=args.plot,
         quiet=args.quiet,
-        **{name: getattr(args, name) for name in given},
+        **fields,
     )
-    if config.ns_preconditioner == "aol" and "coefficients" not in given:
-        config = replace(config, coefficients="aol")
-    if config.ns_dtype == "fp16" and not torch.cuda.is_available():
+    if config.optim.newton_schulz_dtype == "float16" and not torch.cuda.is_available():
         slow = fp16_cpu_note("--ns-dtype fp16")
         if slow is not None:
             note(slow)
     if config.resume and config.resume_dion:
         raise ValueError("give either --resume or --resume-dion, not both")
-    if args.qk_clip_alpha is not None and args.qk_clip_threshold is None:
-        raise ValueError(
-            f"--qk-clip-alpha {args.qk_clip_alpha} given without --qk-clip-threshold: alpha only "
-            "matters when clipping; give the threshold too"
-        )
     return adopt_checkpoint_settings(config, given)
 
 
@@ -362,6 +219,12 @@ def _run_train(args: argparse.Namespace) -> int:
     )
     for name, value in result.range_means.items():
         print(f"  mean loss steps {name}: {value:.4f}")
+    if result.eval:
+        first_eval, last_eval = result.eval[0], result.eval[-1]
+        print(
+            f"  held-out loss (nats per byte) {first_eval['loss']:.4f} at step "
+            f"{first_eval['step']} -> {last_eval['loss']:.4f} at step {last_eval['step']}"
+        )
     _report_outputs(config, result)
     return 0
 

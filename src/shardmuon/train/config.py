@@ -1,20 +1,30 @@
 """``shardmuon train``'s configuration and result: :class:`TrainConfig` (validated, every
-option of the command line) and :class:`TrainResult` (per-step losses, range means)."""
+option of the command line) and :class:`TrainResult` (per-step losses, held-out losses,
+range means).
+
+As torchtitan nests its ``[optimizer]`` section, the optimizer's settings are one
+:class:`shardmuon.config.MuonConfig` (``TrainConfig.optim``), validated by pydantic when it
+is built: the command line, the library call and a checkpoint's recorded settings all go
+through it. ``torch.optim.AdamW`` (``optimizer="adamw"``) reads its ``lr``, ``betas``,
+``epsilon`` and ``weight_decay``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic
 import torch
 
+from shardmuon.config import MuonConfig
 from shardmuon.harness.cli_support import check_outputs
 from shardmuon.harness.processes import check_process_count
-from shardmuon.train.data import (
-    ReverseTextTask,
-)
+from shardmuon.train.schedule import SCHEDULES
+from shardmuon.train.tasks import TASKS
 
 __all__ = [
     "EXPERT_MESH_NAME",
@@ -22,7 +32,10 @@ __all__ = [
     "TRAIN_LAYOUTS",
     "TrainConfig",
     "TrainResult",
+    "config_dict",
+    "optim_settings",
     "range_means",
+    "task_config",
 ]
 
 
@@ -32,45 +45,109 @@ OPTIMIZERS = ("muon", "adamw")
 TRAIN_LAYOUTS = ("fsdp", "ep", "fsdp-tp")
 
 
-# The step ranges prime-rl's Muon runs are reported over, plus 1-10 (the convergence
-# criterion's baseline).
-LOSS_RANGES: tuple[tuple[int, int], ...] = ((1, 10), (11, 31), (32, 62), (51, 100), (101, 150))
+# Contiguous step windows, none overlapping: prime-rl's first three (1-10 is the convergence
+# criterion's baseline), then on to the longest runs.
+LOSS_RANGES: tuple[tuple[int, int], ...] = (
+    (1, 10), (11, 31), (32, 62), (63, 100), (101, 150), (151, 300), (301, 600), (601, 1000),
+)  # fmt: skip
 
 
 EXPERT_MESH_NAME = "ep"
+
+
+def optim_settings(base: MuonConfig | None = None, **changes: Any) -> MuonConfig:
+    """A :class:`MuonConfig`: ``base``'s explicitly set fields with ``changes`` on top.
+
+    Raises ``ValueError`` in one line (pydantic's first error: the field, what was given
+    and what is accepted) instead of pydantic's multi-line report.
+    """
+    given = {} if base is None else base.model_dump(exclude_unset=True)
+    try:
+        return MuonConfig(**{**given, **changes})
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
+
+
+def _train_optim() -> MuonConfig:
+    # shardmuon train's defaults: no weight decay, the dion coefficients named (what old
+    # checkpoints recorded).
+    return optim_settings(weight_decay=0.0, newton_schulz_coefficients="dion")
+
+
+# What --task lm changes of TrainConfig's defaults (the reverse-text task's). The learning
+# rates are the best of the sweep in docs/benchmarks.md ("shardmuon bench lm").
+LM_DEFAULTS: dict[str, Any] = {
+    "model": "lm-llama",
+    "num_layers": None,
+    "steps": 300,
+    "batch_size": 16,
+    "warmup_steps": 20,
+    "schedule": "cosine",
+}
+LM_LEARNING_RATES: dict[str, dict[str, float]] = {
+    "muon": {"lr": 0.02, "adamw_lr": 0.004},
+    "adamw": {"lr": 0.004},
+}
+
+
+def task_config(task: str = "reverse", optimizer: str = "muon", **changes: Any) -> TrainConfig:
+    """A :class:`TrainConfig` with ``task``'s defaults for ``optimizer``, ``changes`` on top
+    (``optim``: a mapping of ``MuonConfig`` fields, applied over the defaults)."""
+    if task not in TASKS:
+        raise ValueError(f"task {task!r} unknown; accepted: {TASKS}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} unknown; accepted: {OPTIMIZERS}")
+    fields: dict[str, Any] = {"task": task, "optimizer": optimizer}
+    optim: dict[str, Any] = {}
+    if task == "lm":
+        fields.update(LM_DEFAULTS)
+        rates = dict(LM_LEARNING_RATES[optimizer])
+        optim["lr"] = rates.pop("lr")
+        fields.update(rates)
+    given = changes.pop("optim", None) or {}
+    if isinstance(given, MuonConfig):
+        given = given.model_dump(exclude_unset=True)
+    fields["optim"] = optim_settings(_train_optim(), **{**optim, **given})
+    return TrainConfig(**{**fields, **changes})
 
 
 @dataclass
 class TrainConfig:
     """Everything a training run depends on (it is also written into checkpoints)."""
 
+    task: str = "reverse"
     model: str = "tiny-moe"
     num_layers: int | None = 2
     optimizer: str = "muon"
-    coefficients: str = "dion"
-    # The Newton-Schulz engine (shardmuon.ops.engines), its dtype and preconditioner.
-    ns_impl: str = "folded"
-    ns_dtype: str = "bf16"
-    ns_preconditioner: str | None = None
-    update_rms: float = 0.2
-    lr: float = 0.01
-    weight_decay: float = 0.0
-    mu: float = 0.95
-    nesterov: bool = False
-    offload: str | None = None
+    # The optimizer's settings; a mapping of MuonConfig fields is taken too (over these
+    # defaults: no weight decay, the dion coefficients).
+    optim: MuonConfig = field(default_factory=_train_optim)
+    # The peak lr of Muon's AdamW group (embeddings, norms, head); None: optim.lr.
+    adamw_lr: float | None = None
+    warmup_steps: int = 0
+    schedule: str = "constant"
     steps: int = 150
     batch_size: int = 128
     seed: int = 0
+    # task "reverse": string lengths.
     min_len: int = 2
     max_len: int = 8
+    # task "lm": the corpus (None: the standard library's source), its byte cap, the
+    # sequence length, and the held-out evaluation.
+    data: str | None = None
+    data_bytes: int | None = None
+    seq_len: int = 256
+    eval_every: int = 25
+    eval_sequences: int = 32
     nproc: int = 2
     layout: str = "fsdp"
     # fsdp-tp only: (dp, tp); None = shardmuon.harness.parallel's default for nproc (4 -> 2x2).
     mesh: tuple[int, ...] | None = None
-    # QK-clip: None = off; log_max_logit records every head's max logit per step without
-    # clipping (on whenever the clip is).
-    qk_clip_threshold: float | None = None
-    qk_clip_alpha: float = 0.5
+    # Record every head's max logit per step without clipping (always on when
+    # optim.qk_clip_threshold clips).
     log_max_logit: bool = False
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -82,6 +159,10 @@ class TrainConfig:
     plot_out: str | None = None
     quiet: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.optim, Mapping):  # fields over shardmuon train's defaults
+            self.optim = optim_settings(_train_optim(), **self.optim)
 
     def _validate_mesh(self) -> None:
         if self.layout != "fsdp-tp":
@@ -105,21 +186,47 @@ class TrainConfig:
                     "tp); give a --mesh DPxTP whose TP divides it"
                 )
 
+    def _validate_schedule(self) -> None:
+        # Training needs a positive lr (MuonConfig takes 0: a frozen optimizer).
+        for name, value in (("lr", self.optim.lr), ("adamw_lr", self.adamw_lr)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.adamw_lr is not None and self.optimizer == "adamw":
+            raise ValueError(
+                f"adamw_lr {self.adamw_lr!r} is the lr of Muon's AdamW group; optimizer "
+                "'adamw' has one lr: give lr"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r} unknown; accepted: {SCHEDULES}")
+
+    def _validate_counts(self) -> None:
+        minimums = {"steps": 1, "batch_size": 1, "nproc": 1, "seq_len": 2, "eval_every": 1,
+                    "eval_sequences": 1, "warmup_steps": 0, "checkpoint_every": 0}  # fmt: skip
+        for name, minimum in minimums.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if self.data_bytes is not None and (
+            not isinstance(self.data_bytes, int) or self.data_bytes < 1
+        ):
+            raise ValueError(f"data_bytes must be an int >= 1 or None, got {self.data_bytes!r}")
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what is accepted."""
-        from shardmuon.harness.models import MODEL_PRESETS
+        from shardmuon.harness.models import MODEL_PRESETS, model_config
 
+        if self.task not in TASKS:
+            raise ValueError(f"task {self.task!r} unknown; accepted: {TASKS}")
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"model {self.model!r} unknown; accepted: {sorted(MODEL_PRESETS)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r} unknown; accepted: {OPTIMIZERS}")
+        if not isinstance(self.optim, MuonConfig):
+            raise ValueError(f"optim must be a shardmuon.MuonConfig, got {self.optim!r}")
         if self.layout not in TRAIN_LAYOUTS:
             raise ValueError(f"layout {self.layout!r} unknown; accepted: {TRAIN_LAYOUTS}")
         self._validate_mesh()
-        for name in ("steps", "batch_size", "nproc"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self._validate_counts()
         if torch.cuda.is_available() and self.nproc > torch.cuda.device_count():
             raise ValueError(
                 f"nproc {self.nproc} needs {self.nproc} GPUs (one per process, NCCL); this "
@@ -132,31 +239,34 @@ class TrainConfig:
                 f"batch_size ({self.batch_size}) must be >= nproc ({self.nproc}): "
                 "every rank needs at least one sample"
             )
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.task == "lm" and self.eval_sequences < self.nproc:
+            raise ValueError(
+                f"eval_sequences ({self.eval_sequences}) must be >= nproc ({self.nproc}): "
+                "every rank scores at least one held-out sequence"
+            )
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
-        if not (math.isfinite(self.update_rms) and self.update_rms > 0):
-            raise ValueError(f"update_rms must be a finite number > 0, got {self.update_rms!r}")
-        if self.qk_clip_threshold is not None or self.log_max_logit:
-            from shardmuon.qk_clip import check_qk_clip_settings
-
-            threshold = 100.0 if self.qk_clip_threshold is None else self.qk_clip_threshold
-            try:
-                check_qk_clip_settings(threshold, self.qk_clip_alpha)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"qk_clip_{err}") from None
+        self._validate_schedule()
         if self.resume and self.resume_dion:
             raise ValueError("give either resume or resume_dion, not both")
-        if self.optimizer == "muon":
-            from shardmuon import resolve_coefficients
+        if self.task == "reverse":
+            from shardmuon.train.data import ReverseTextTask
 
-            resolve_coefficients(self.coefficients)
-        ReverseTextTask(self.min_len, self.max_len, self.seed)
-        # Last, as it touches the disk; before any work, so that a path that cannot be
-        # written fails now rather than after the training.
+            ReverseTextTask(self.min_len, self.max_len, self.seed)
+        else:
+            positions = model_config(self.model).max_position_embeddings
+            if self.seq_len > positions:
+                raise ValueError(
+                    f"seq_len {self.seq_len} is longer than model {self.model!r} takes "
+                    f"({positions} positions)"
+                )
+        # Last, as they touch the disk; before any work, so that a path that cannot be
+        # read or written fails now rather than after the training.
+        if self.task == "lm":
+            from shardmuon.train.lm_data import plan_corpus
+            from shardmuon.train.tasks import check_corpus
+
+            check_corpus(plan_corpus(self.data, self.data_bytes), self.batch_size, self.seq_len)
         check_outputs(
             {
                 "--json": self.json_out,
@@ -166,6 +276,14 @@ class TrainConfig:
             },
             {"--checkpoint-dir": self.checkpoint_dir},
         )
+
+
+def config_dict(config: TrainConfig) -> dict[str, Any]:
+    """``config`` as JSON-ready values (``optim``: the MuonConfig's fields)."""
+    out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    out["optim"] = config.optim.model_dump(mode="json")
+    out["extra"] = dict(config.extra)
+    return out
 
 
 @dataclass
@@ -183,16 +301,22 @@ class TrainResult:
     max_logits: dict[int, float] = field(default_factory=dict)
     max_logits_after: dict[int, float] = field(default_factory=dict)
     clipped_heads: dict[int, int] = field(default_factory=dict)
+    # Held-out losses (task "lm"): {"step", "tokens", "loss"} rows, nats per byte.
+    eval: list[dict[str, Any]] = field(default_factory=list)
+    # Median wall-clock seconds of one training step (held-out losses and saves left out).
+    step_seconds: float = math.nan
 
     def to_json(self, config: TrainConfig) -> dict[str, Any]:
         """JSON-ready dict (the ``--json`` format)."""
         return {
-            "config": dataclasses.asdict(config),
+            "config": config_dict(config),
             "world_size": self.world_size,
             "start_step": self.start_step,
             "resumed_from": self.resumed_from,
             "seconds": self.seconds,
+            "step_seconds": self.step_seconds,
             "losses": [{"step": s, "loss": v} for s, v in sorted(self.losses.items())],
+            "eval": self.eval,
             "range_means": self.range_means,
             "checkpoints": self.checkpoints,
             "max_logits": [

@@ -1,12 +1,19 @@
 """The processes of a multi-rank run: one per rank, forked from a preloaded fork server,
-with the process group set up (gloo on CPU, NCCL on GPUs, one GPU per rank)."""
+with the process group set up (gloo on CPU, NCCL on GPUs, one GPU per rank).
+
+:func:`spawn_training` runs one training; :func:`spawn_runs` runs several one after the
+other on the same ranks (a sweep pays the start of the processes once).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import sys
 import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -21,12 +28,35 @@ from shardmuon.harness.processes import (
 from shardmuon.train.config import TrainConfig, TrainResult
 from shardmuon.train.loop import train_on_rank
 
-__all__ = ["spawn_training"]
+__all__ = ["ANNOUNCE", "run_sequentially", "spawn_runs", "spawn_training"]
+
+# A config whose extra holds this key has its value printed (by rank 0, on stderr) before it
+# runs, with its place in the sequence and the time since the first started.
+ANNOUNCE = "announce"
+
+
+def run_sequentially(
+    configs: Sequence[TrainConfig], rank: int, world: int, resume_from: str | None = None
+) -> list[TrainResult]:
+    """:func:`.loop.train_on_rank` for each of ``configs`` in turn, each announced."""
+    began = time.perf_counter()
+    results = []
+    for index, config in enumerate(configs):
+        line = config.extra.get(ANNOUNCE)
+        if line and rank == 0:
+            minutes, seconds = divmod(int(time.perf_counter() - began), 60)
+            print(
+                f"[{index + 1}/{len(configs)}, {minutes}:{seconds:02d}] {line}",
+                file=sys.stderr,
+                flush=True,
+            )
+        results.append(train_on_rank(config, rank, world, resume_from))
+    return results
 
 
 def _worker(
     rank: int,
-    config: TrainConfig,
+    configs: list[TrainConfig],
     resume_from: str | None,
     world: int,
     port: int,
@@ -40,9 +70,10 @@ def _worker(
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        result = train_on_rank(config, rank, world, resume_from)
+        results = run_sequentially(configs, rank, world, resume_from)
         if rank == 0:
-            Path(result_file).write_text(json.dumps(dataclasses.asdict(result)))
+            payload = [dataclasses.asdict(result) for result in results]
+            Path(result_file).write_text(json.dumps(payload))
     except ValueError as err:
         # Config / checkpoint errors hit every rank alike; hand the message to the parent.
         if rank == 0:
@@ -79,23 +110,26 @@ def _start_method() -> str:
     return "forkserver"
 
 
-def spawn_training(config: TrainConfig, resume_from: str | None) -> TrainResult:
-    """Run :func:`.loop.train_on_rank` on ``config.nproc`` processes; rank 0's result.
+def spawn_runs(configs: Sequence[TrainConfig], resume_from: str | None = None) -> list[TrainResult]:
+    """Run each of ``configs`` (all with the same ``nproc``) on one set of spawned ranks, in
+    turn; rank 0's results.
 
     A ``ValueError`` on the ranks (a bad checkpoint, say) is re-raised here with its message;
     so is :func:`~shardmuon.harness.processes.check_process_count`'s, before any is started.
     """
     import torch.multiprocessing as mp
 
-    check_process_count(config.nproc)
-
+    worlds = sorted({config.nproc for config in configs})
+    if len(worlds) != 1:
+        raise ValueError(f"spawn_runs takes configs of one nproc, got nproc {worlds}")
+    check_process_count(worlds[0])
     with tempfile.TemporaryDirectory(prefix="shardmuon-train-") as tmp:
         result_file = os.path.join(tmp, "result.json")
         try:
             mp.start_processes(
                 _worker,
-                args=(config, resume_from, config.nproc, free_port(), result_file),
-                nprocs=config.nproc,
+                args=(list(configs), resume_from, worlds[0], free_port(), result_file),
+                nprocs=worlds[0],
                 join=True,
                 start_method=_start_method(),
             )
@@ -106,11 +140,16 @@ def spawn_training(config: TrainConfig, resume_from: str | None) -> TrainResult:
                     raise ValueError(payload["error"]) from None
             raise
         payload = json.loads(Path(result_file).read_text())
-    for key in (
-        "losses",
-        "max_logits",
-        "max_logits_after",
-        "clipped_heads",
-    ):  # JSON made the step keys strings
-        payload[key] = {int(k): v for k, v in payload[key].items()}
+    return [_result_from_json(item) for item in payload]
+
+
+def _result_from_json(payload: dict) -> TrainResult:
+    for key in ("losses", "max_logits", "max_logits_after", "clipped_heads"):
+        payload[key] = {int(k): v for k, v in payload[key].items()}  # JSON made them strings
     return TrainResult(**payload)
+
+
+def spawn_training(config: TrainConfig, resume_from: str | None) -> TrainResult:
+    """Run :func:`.loop.train_on_rank` on ``config.nproc`` processes; rank 0's result
+    (errors as :func:`spawn_runs`)."""
+    return spawn_runs([config], resume_from)[0]

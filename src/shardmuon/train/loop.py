@@ -1,17 +1,18 @@
-"""SFT loop: a tiny Qwen3 / Qwen3-MoE on the reverse-text task, on 1 process or N processes
-with FSDP2 (gloo on CPU, NCCL on GPUs), optionally over tensor parallel (``fsdp-tp``), with
-DCP checkpoints and exact resume.
+"""The training loop: a tiny Hugging Face model on one of :mod:`.tasks` (reverse-text SFT or
+byte-level LM pretraining), on 1 process or N processes with FSDP2 (gloo on CPU, NCCL on
+GPUs), optionally over tensor parallel (``fsdp-tp``), with DCP checkpoints and exact resume.
 
-The global batch of step k is the same at every world size (see :mod:`.data`); each
+The global batch of step k is the same at every world size (see :mod:`.tasks`); each
 data-parallel rank trains on a contiguous slice of it (the ranks of one tensor-parallel
 group share a slice), and the loss is the mean over all supervised tokens of the global
-batch, so the loss curve does not depend on the world size or the layout.
+batch, so the loss curve does not depend on the world size or the layout. The held-out
+loss (task ``lm``) is measured the same way, on a fixed batch, every ``eval_every`` steps.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
+import statistics
 import time
 import warnings
 from dataclasses import dataclass
@@ -25,27 +26,26 @@ from torch import nn
 
 from shardmuon.train import checkpoint as ckpt_io
 from shardmuon.train import dion_format
-from shardmuon.train.config import EXPERT_MESH_NAME, TrainConfig, TrainResult, range_means
-from shardmuon.train.data import (
-    IGNORE_INDEX,
-    CharTokenizer,
-    ReverseTextTask,
-    num_target_tokens,
-    rank_slice,
+from shardmuon.train.config import (
+    EXPERT_MESH_NAME,
+    TrainConfig,
+    TrainResult,
+    config_dict,
+    range_means,
 )
+from shardmuon.train.data import IGNORE_INDEX, num_target_tokens, rank_slice
+from shardmuon.train.schedule import set_learning_rates
+from shardmuon.train.tasks import build_task
 
 # ---------------------------------------------------------------------------- model + optimizer
 
 
-def build_training_model(config: TrainConfig, tokenizer: CharTokenizer) -> nn.Module:
-    """The (unsharded) model: preset ``config.model`` with the tokenizer's vocabulary."""
+def build_training_model(config: TrainConfig, vocab_size: int) -> nn.Module:
+    """The (unsharded) model: preset ``config.model`` with the task's vocabulary."""
     from shardmuon.harness.models import build_model
 
     return build_model(
-        config.model,
-        num_layers=config.num_layers,
-        vocab_size=tokenizer.vocab_size,
-        seed=config.seed,
+        config.model, num_layers=config.num_layers, vocab_size=vocab_size, seed=config.seed
     )
 
 
@@ -103,52 +103,34 @@ def build_optimizer(
     config: TrainConfig, model: nn.Module, expert_mesh_name: str | None
 ) -> torch.optim.Optimizer:
     """Muon through ``shardmuon.config.build_optimizer`` (the routing users get), or torch AdamW."""
+    optim = config.optim
     if config.optimizer == "adamw":
         return torch.optim.AdamW(
             model.parameters(),
-            lr=config.lr,
-            betas=(0.9, 0.95),
-            eps=1e-8,
-            weight_decay=config.weight_decay,
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.epsilon,
+            weight_decay=optim.weight_decay,
         )
-    from shardmuon.harness.machine import DTYPES
-    from shardmuon.config import MuonConfig
     from shardmuon.config import build_optimizer as build_muon
     from shardmuon.harness.models import attention_dims
 
-    muon_config = MuonConfig(
-        lr=config.lr,
-        mu=config.mu,
-        betas=(0.9, 0.95),
-        weight_decay=config.weight_decay,
-        epsilon=1e-8,
-        nesterov=config.nesterov,
-        adjust_lr="rms_norm",
-        update_rms=config.update_rms,
-        newton_schulz_coefficients=config.coefficients,
-        newton_schulz_impl=config.ns_impl,
-        newton_schulz_dtype=str(DTYPES[config.ns_dtype]).removeprefix("torch."),
-        newton_schulz_preconditioner=config.ns_preconditioner,
-        offload=config.offload,
-    )
     return build_muon(
-        model, muon_config, expert_mesh_name=expert_mesh_name, **attention_dims(config.model)
+        model, optim, expert_mesh_name=expert_mesh_name, **attention_dims(config.model)
     )
 
 
 def build_qk_clip(config: TrainConfig, model: nn.Module):
-    """A :class:`shardmuon.qk_clip.QKClip` when the run clips or logs max logits, else None
-    (through ``MuonConfig``'s fields, as a user's trainer would)."""
-    if config.qk_clip_threshold is None and not config.log_max_logit:
-        return None
-    from shardmuon.config import MuonConfig, build_qk_clip
+    """A :class:`shardmuon.qk_clip.QKClip` when the run clips (through ``MuonConfig``'s
+    fields, as a user's trainer would) or logs max logits (a record-only clip), else None."""
+    from shardmuon.config import build_qk_clip as build_from_config
 
-    threshold = config.qk_clip_threshold
-    muon_config = MuonConfig(
-        qk_clip_threshold=100.0 if threshold is None else threshold,
-        qk_clip_alpha=config.qk_clip_alpha,
-    )
-    return build_qk_clip(model, muon_config)
+    clip = build_from_config(model, config.optim)
+    if clip is None and config.log_max_logit:
+        from shardmuon.qk_clip import QKClip
+
+        clip = QKClip(model, threshold=None)
+    return clip
 
 
 def sft_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -185,38 +167,66 @@ def ignore_logits_view_warning(model: nn.Module) -> None:
 # ---------------------------------------------------------------------------- one rank
 
 
-def _trainer_state(config: TrainConfig, step: int, world: int, losses: dict[int, float]) -> dict:
+def _trainer_state(
+    config: TrainConfig, step: int, world: int, losses: dict[int, float], evals: list[dict]
+) -> dict:
     return {
         "step": step,
-        "data_position": step,  # the next batch is task.batch(step + 1)
+        "data_position": step,  # the next batch is the task's batch(step + 1)
         "seed": config.seed,
         "world_size": world,
+        "task": config.task,
         "model": config.model,
         "num_layers": config.num_layers,
         "optimizer": config.optimizer,
         "losses": {str(k): v for k, v in sorted(losses.items())},
-        "config": dataclasses.asdict(config),
+        "eval": evals,
+        "config": config_dict(config),
     }
 
 
 def _resume(
     config: TrainConfig, model: nn.Module, optimizer, resume_from: str | None
-) -> tuple[int, dict[int, float]]:
+) -> tuple[int, dict[int, float], list[dict]]:
     """Load ``resume_from`` (chosen by :func:`prepare_resume`); returns (steps already taken,
-    their losses)."""
+    their losses, their held-out losses)."""
     if resume_from is None:
-        return 0, {}
+        return 0, {}, []
     if Path(resume_from).is_file():
         blob = dion_format.read_dion_file(resume_from)
         dion_format.load_dion_checkpoint(blob, model, optimizer)
-        return dion_format.dion_step(blob), {}
+        return dion_format.dion_step(blob), {}, []
     path = Path(resume_from)
     state = ckpt_io.read_trainer_state(path)
     ckpt_io.check_compatible(
         path, ckpt_io.expected_entries(ckpt_io.training_state_dict(model, optimizer))
     )
     ckpt_io.load_checkpoint(path, model, optimizer)
-    return int(state["step"]), {int(k): v for k, v in state.get("losses", {}).items()}
+    losses = {int(k): v for k, v in state.get("losses", {}).items()}
+    return int(state["step"]), losses, list(state.get("eval", []))
+
+
+def held_out_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor], layout: TrainLayout, device: torch.device
+) -> float:
+    """Mean next-token loss over every target of the fixed held-out ``batch`` (each
+    data-parallel rank scores its slice; eval mode, so QK-clip records nothing)."""
+    tokens = num_target_tokens(batch["labels"][:, 1:])
+    part = rank_slice(batch, layout.data_rank, layout.data_world)
+    model.eval()
+    try:
+        with torch.no_grad():
+            total = sft_loss_sum(model, {k: v.to(device) for k, v in part.items()})
+    finally:
+        model.train()
+    total = total.to(torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total, group=layout.data_group)
+    return float(total) / tokens
+
+
+def _tokens_seen(config: TrainConfig, step: int) -> int:
+    return step * config.batch_size * (config.seq_len if config.task == "lm" else 0)
 
 
 def train_on_rank(
@@ -228,30 +238,40 @@ def train_on_rank(
     :func:`prepare_resume` chose it (every rank loads the same one).
     """
     device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")
-    tokenizer = CharTokenizer()
-    task = ReverseTextTask(config.min_len, config.max_len, config.seed)
-    model = build_training_model(config, tokenizer).to(device)
+    task = build_task(config)
+    model = build_training_model(config, task.vocab_size).to(device)
     layout = shard_model(model, config.layout, config.mesh) if world > 1 else TrainLayout()
     if world > 1 and config.layout == "fsdp-tp":
         ignore_logits_view_warning(model)
     optimizer = build_optimizer(config, model, layout.expert_mesh_name)
-    start, history = _resume(config, model, optimizer, resume_from)
+    start, history, eval_history = _resume(config, model, optimizer, resume_from)
     if start >= config.steps:
         raise ValueError(f"checkpoint is at step {start}, nothing to do for steps={config.steps}")
     if world > 1 and hasattr(optimizer, "warmup"):
         optimizer.warmup()
 
+    held_out = task.held_out_batch()
+    evals: list[dict] = []
+
+    def evaluate(step: int) -> None:
+        loss = held_out_loss(model, held_out, layout, device)
+        evals.append({"step": step, "tokens": _tokens_seen(config, step), "loss": loss})
+
+    if held_out is not None and start == 0:
+        evaluate(0)
     clip = build_qk_clip(config, model)
     max_logits: dict[int, float] = {}
     max_logits_after: dict[int, float] = {}
     clipped_heads: dict[int, int] = {}
     losses: dict[int, float] = {}
+    step_times: list[float] = []
     saved: list[str] = []
     progress = _progress(config, rank, start)
     began = time.perf_counter()
     model.train()
     for step in range(start + 1, config.steps + 1):
-        batch = task.batch(step, config.batch_size, tokenizer)
+        step_began = time.perf_counter()
+        batch = task.batch(step, config.batch_size)
         global_tokens = num_target_tokens(batch["labels"][:, 1:])
         part = rank_slice(batch, layout.data_rank, layout.data_world)
         local = {k: v.to(device) for k, v in part.items()}
@@ -260,22 +280,27 @@ def train_on_rank(
         # data_world/global_tokens turns that average into the gradient of the global
         # per-token mean, whatever the split.
         (loss_sum * (layout.data_world / global_tokens)).backward()
+        set_learning_rates(optimizer, config, step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if clip is not None:
-            clipping = config.qk_clip_threshold is not None
-            stats = clip.apply(scale=clipping)
+            stats = clip.apply()
             max_logits[step] = stats.max_logit
-            clipped_heads[step] = stats.clipped_heads if clipping else 0
-            max_logits_after[step] = stats.max_logit_after if clipping else stats.max_logit
+            max_logits_after[step] = stats.max_logit_after
+            clipped_heads[step] = stats.clipped_heads
         total = loss_sum.detach().to(torch.float64)
         if world > 1:
             dist.all_reduce(total, group=layout.data_group)
         losses[step] = float(total) / global_tokens
+        step_times.append(time.perf_counter() - step_began)
+        if held_out is not None and (step % config.eval_every == 0 or step == config.steps):
+            evaluate(step)
         if progress is not None:
-            progress.advance(losses[step])
+            progress.advance(losses[step], evals[-1]["loss"] if evals else None)
         if config.checkpoint_every and step % config.checkpoint_every == 0:
-            trainer = _trainer_state(config, step, world, {**history, **losses})
+            trainer = _trainer_state(
+                config, step, world, {**history, **losses}, eval_history + evals
+            )
             path = ckpt_io.save_checkpoint(config.checkpoint_dir, step, model, optimizer, trainer)
             saved.append(str(path))
     seconds = time.perf_counter() - began
@@ -296,6 +321,8 @@ def train_on_rank(
         max_logits,
         max_logits_after,
         clipped_heads,
+        evals,
+        statistics.median(step_times),
     )
 
 
@@ -308,14 +335,17 @@ class _Progress:
             TextColumn("train"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("loss {task.fields[loss]}{task.fields[held_out]}"),
             console=Console(stderr=True),
         )
-        self._task = self._bar.add_task("train", total=total, completed=completed, loss="-")
+        self._task = self._bar.add_task(
+            "train", total=total, completed=completed, loss="-", held_out=""
+        )
         self._bar.start()
 
-    def advance(self, loss: float) -> None:
-        self._bar.update(self._task, advance=1, loss=f"{loss:.4f}")
+    def advance(self, loss: float, held_out: float | None = None) -> None:
+        shown = "" if held_out is None else f"  held-out {held_out:.4f}"
+        self._bar.update(self._task, advance=1, loss=f"{loss:.4f}", held_out=shown)
 
     def close(self) -> None:
         self._bar.stop()
@@ -325,6 +355,3 @@ def _progress(config: TrainConfig, rank: int, start: int) -> _Progress | None:
     if config.quiet or rank != 0:
         return None
     return _Progress(config.steps, start)
-
-
-# ---------------------------------------------------------------------------- a run

@@ -15,12 +15,10 @@ from shardmuon.harness.processes import threads_per_rank
 from shardmuon.train import checkpoint as ckpt_io
 from shardmuon.train import dion_format, recovery
 from shardmuon.train.config import EXPERT_MESH_NAME, TrainConfig, TrainResult
-from shardmuon.train.data import (
-    CharTokenizer,
-)
 from shardmuon.train.launch import spawn_training
 from shardmuon.train.loop import build_optimizer, build_training_model, train_on_rank
 from shardmuon.train.resume import recorded_settings, settings_conflicts
+from shardmuon.train.tasks import task_vocab_size
 
 __all__ = ["prepare_resume", "run_training", "write_losses"]
 
@@ -47,7 +45,7 @@ def prepare_resume(config: TrainConfig) -> str | None:
         note(f"shardmuon train: {line}")
     path = selection.path
     _refuse_changed_settings(config, recorded_settings(config, path))
-    model = build_training_model(config, CharTokenizer())
+    model = build_training_model(config, task_vocab_size(config.task))
     optimizer = build_optimizer(config, model, EXPERT_MESH_NAME if config.layout == "ep" else None)
     expected = ckpt_io.expected_entries(ckpt_io.training_state_dict(model, optimizer))
     ckpt_io.check_compatible(path, expected)
@@ -89,18 +87,10 @@ def run_training(config: TrainConfig) -> TrainResult:
     if config.csv_out:
         write_losses(config.csv_out, result, config, csv=True)
     if config.plot_out:
-        from shardmuon.train.plot import plot_curves
+        from shardmuon.train.plot import plot_result
 
-        steps = sorted(result.losses)
         label = Path(config.json_out).stem if config.json_out else "this run"
-        logit_steps = sorted(result.max_logits)
-        logits = [
-            (logit_steps, [result.max_logits[s] for s in logit_steps], label,
-             config.qk_clip_threshold)
-        ] if logit_steps else []  # fmt: skip
-        plot_curves(
-            [(steps, [result.losses[s] for s in steps], label)], config.plot_out, max_logits=logits
-        )
+        plot_result(result, config, label, config.plot_out)
     return result
 
 

@@ -1,0 +1,252 @@
+"""``shardmuon bench lm``: Muon against AdamW, and every Newton-Schulz engine against Muon's
+default, on byte-level language-model pretraining (``shardmuon train --task lm``).
+
+Three sweeps, each on one set of ranks: AdamW over ``--adamw-lrs``; Muon over
+``--muon-lrs``, its AdamW group (embeddings, norms, head) at AdamW's best lr; then, at
+Muon's best lr, each of ``--engines``. Every run has ``--seeds`` seeds (model init and data
+order) and records the max attention logit per step (recording changes no loss). "Best" is
+the lowest final held-out loss, the mean over the seeds. The tables: the final held-out
+loss of every run (mean and half the range over the seeds); per setting, the steps it needs
+to reach AdamW's best final held-out loss (interpolated between held-out evaluations) and
+its median step time. ``--plot`` writes three PNGs (see :mod:`.lm_report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from shardmuon.bench.lm_report import (
+    best_lr,
+    plot_lm,
+    print_lm_tables,
+    summarize,
+)
+from shardmuon.bench.report import write_json
+from shardmuon.harness.cli_support import (
+    HelpFormatter,
+    check_outputs,
+    int_at_least,
+    note,
+    note_written,
+    positive_float,
+    positive_int,
+)
+from shardmuon.harness.models import MODEL_PRESETS
+from shardmuon.harness.processes import NPROC_RULE
+
+__all__ = ["ENGINE_SETTINGS", "add_parser", "run", "sweep_configs"]
+
+# The settings compared at Muon's best lr: MuonConfig fields changed from the default
+# (folded engine, bf16, dion coefficients). "qk-clip" takes --qk-clip-threshold.
+ENGINE_SETTINGS: dict[str, dict[str, Any]] = {
+    "per-matrix": {"newton_schulz_impl": "per-matrix"},
+    "gram": {"newton_schulz_impl": "gram"},
+    "fp32": {"newton_schulz_dtype": "float32"},
+    "aol": {"newton_schulz_preconditioner": "aol", "newton_schulz_coefficients": "aol"},
+    "polar-express": {"newton_schulz_coefficients": "polar-express"},
+    "deepseek-v4": {"newton_schulz_coefficients": "deepseek-v4"},
+    "qk-clip": {},
+}
+DEFAULT_ADAMW_LRS = (0.002, 0.004, 0.008)
+DEFAULT_MUON_LRS = (0.01, 0.02, 0.04)
+DEFAULT_STEPS = 200
+DEFAULT_QK_CLIP_THRESHOLD = 20.0
+
+
+def _lrs(text: str) -> tuple[float, ...]:
+    """``--adamw-lrs`` / ``--muon-lrs``: comma-separated numbers > 0."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = float("nan")
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated numbers > 0 (e.g. 0.01,0.02), got {text!r}"
+            )
+        values.append(value)
+    return tuple(dict.fromkeys(values))
+
+
+def _engines(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n for n in text.split(",") if n)) if text != "none" else ()
+    unknown = [n for n in names if n not in ENGINE_SETTINGS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown engine setting {unknown[0]!r}; accepted: comma-separated names of "
+            f"{', '.join(ENGINE_SETTINGS)}, or 'none'"
+        )
+    return names
+
+
+def add_parser(subparsers) -> None:
+    """Register ``lm`` on ``subparsers`` (an argparse sub-parsers action)."""
+    from shardmuon.train.config import LM_DEFAULTS
+
+    p = subparsers.add_parser(
+        "lm",
+        help="Muon vs AdamW and every engine on byte-level LM pretraining (held-out loss)",
+        description=__doc__,
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument(
+        "--model", choices=sorted(MODEL_PRESETS), default=LM_DEFAULTS["model"],
+        help="model preset",
+    )  # fmt: skip
+    p.add_argument("--layers", type=positive_int, default=None, metavar="N",
+                   help="only the preset's first N decoder layers (default: all)")  # fmt: skip
+    p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help="steps per run")
+    p.add_argument("--seeds", type=positive_int, default=2, help="seeds per setting (0, 1, ...)")
+    p.add_argument("--adamw-lrs", type=_lrs, default=DEFAULT_ADAMW_LRS, metavar="LR,...",
+                   help="AdamW's lr grid (default: %(default)s)")  # fmt: skip
+    p.add_argument("--muon-lrs", type=_lrs, default=DEFAULT_MUON_LRS, metavar="LR,...",
+                   help="Muon's lr grid (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--engines", type=_engines, default=tuple(ENGINE_SETTINGS), metavar="NAME,...",
+        help=f"settings run at Muon's best lr: {', '.join(ENGINE_SETTINGS)}, or 'none' "
+        "(default: all)",
+    )  # fmt: skip
+    p.add_argument(
+        "--qk-clip-threshold", type=positive_float, default=DEFAULT_QK_CLIP_THRESHOLD,
+        metavar="TAU", help="the 'qk-clip' setting's threshold",
+    )  # fmt: skip
+    p.add_argument("--batch-size", type=positive_int, default=LM_DEFAULTS["batch_size"],
+                   help="global batch size (sequences)")  # fmt: skip
+    p.add_argument("--seq-len", type=int_at_least(2), default=256, help="bytes per sequence")
+    p.add_argument("--warmup", type=positive_int, default=LM_DEFAULTS["warmup_steps"],
+                   metavar="N", help="linear lr warmup steps")  # fmt: skip
+    p.add_argument("--eval-every", type=positive_int, default=25, metavar="N",
+                   help="held-out loss every N steps")  # fmt: skip
+    p.add_argument("--eval-sequences", type=positive_int, default=32, metavar="N",
+                   help="held-out sequences scored each time")  # fmt: skip
+    p.add_argument("--data", metavar="PATH", default=None,
+                   help="text file or directory (default: this Python's standard library)")  # fmt: skip
+    p.add_argument("--data-bytes", type=positive_int, default=None, metavar="N",
+                   help="read at most N bytes of --data")  # fmt: skip
+    p.add_argument("--nproc", type=positive_int, default=2, help=f"ranks per run; {NPROC_RULE}")
+    p.add_argument("--json", metavar="PATH", default=None, help="write every run and the summary")
+    p.add_argument(
+        "--plot", metavar="PATH", default=None,
+        help="write PATH (Muon vs AdamW), PATH-engines and PATH-logits (PNGs)",
+    )  # fmt: skip
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def _base_config(args: argparse.Namespace):
+    from shardmuon.train.config import task_config
+
+    return task_config(
+        "lm",
+        "muon",
+        model=args.model,
+        num_layers=args.layers,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        warmup_steps=args.warmup,
+        eval_every=args.eval_every,
+        eval_sequences=args.eval_sequences,
+        data=args.data,
+        data_bytes=args.data_bytes,
+        nproc=args.nproc,
+        log_max_logit=True,
+        quiet=args.no_progress,
+    )
+
+
+def sweep_configs(base, setting: str, optimizer: str, lr: float, seeds: int, **changes):
+    """The configs of one setting at one lr, one per seed (labelled in ``extra``)."""
+    from shardmuon.train.config import optim_settings
+    from shardmuon.train.launch import ANNOUNCE
+
+    optim = optim_settings(base.optim, lr=lr, **changes.pop("optim", {}))
+    configs = []
+    for seed in range(seeds):
+        extra = {"setting": setting, "seed": seed, ANNOUNCE: f"{setting}, lr {lr:g}, seed {seed}"}
+        configs.append(
+            dataclasses.replace(
+                base, optimizer=optimizer, optim=optim, seed=seed, extra=extra, **changes
+            )
+        )
+    return configs
+
+
+def _run_all(configs) -> list[dict[str, Any]]:
+    """Train every config (one set of ranks for all); one row per run."""
+    from shardmuon.train.launch import run_sequentially, spawn_runs
+
+    results = run_sequentially(configs, 0, 1) if configs[0].nproc == 1 else spawn_runs(configs)
+    rows = []
+    for config, result in zip(configs, results):
+        rows.append(
+            {
+                "setting": config.extra["setting"],
+                "optimizer": config.optimizer,
+                "lr": config.optim.lr,
+                "adamw_lr": config.adamw_lr,
+                "seed": config.seed,
+                "optim": config.optim.model_dump(mode="json"),
+                "eval": result.eval,
+                "losses": [result.losses[s] for s in sorted(result.losses)],
+                "step_seconds": result.step_seconds,
+                "max_logits": [result.max_logits[s] for s in sorted(result.max_logits)],
+                "max_logits_after": [
+                    result.max_logits_after[s] for s in sorted(result.max_logits_after)
+                ],
+                "clipped_heads": [result.clipped_heads[s] for s in sorted(result.clipped_heads)],
+            }
+        )
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check everything, run the three sweeps, print the tables, write the outputs."""
+    check_outputs({"--json": args.json, "--plot": args.plot})
+    base = _base_config(args)
+    base.validate()  # the corpus, the process count, the model's positions: before any run
+    runs = len(args.adamw_lrs) + len(args.muon_lrs) + len(args.engines)
+    note(
+        f"shardmuon bench lm: {runs * args.seeds} runs of {args.steps} steps at "
+        f"{args.nproc} rank(s): AdamW lrs {list(args.adamw_lrs)}, Muon lrs "
+        f"{list(args.muon_lrs)}, then {len(args.engines)} engine settings"
+    )
+    rows = _run_all(
+        [c for lr in args.adamw_lrs for c in sweep_configs(base, "adamw", "adamw", lr, args.seeds)]
+    )
+    adamw_lr = best_lr(rows, "adamw")
+    rows += _run_all(
+        [
+            c
+            for lr in args.muon_lrs
+            for c in sweep_configs(base, "muon", "muon", lr, args.seeds, adamw_lr=adamw_lr)
+        ]
+    )
+    muon_lr = best_lr(rows, "muon")
+    engine_configs = []
+    for name in args.engines:
+        optim = dict(ENGINE_SETTINGS[name])
+        if name == "qk-clip":
+            optim["qk_clip_threshold"] = args.qk_clip_threshold
+        engine_configs += sweep_configs(
+            base, name, "muon", muon_lr, args.seeds, adamw_lr=adamw_lr, optim=optim
+        )
+    if engine_configs:
+        rows += _run_all(engine_configs)
+    summary = summarize(rows, args.qk_clip_threshold)
+    print_lm_tables(summary, args)
+    if args.json:
+        from shardmuon.bench.report import environment
+
+        environ = environment(world_size=args.nproc, argv=getattr(args, "argv", None))
+        payload = {"benchmark": "lm", "environment": environ, "summary": summary, "runs": rows}
+        write_json(args.json, payload)
+        note_written(args.json, "results (JSON)")
+    if args.plot:
+        for path, what in plot_lm(rows, summary, args.plot):
+            note_written(path, what)
+    return 0

@@ -1,0 +1,347 @@
+"""What ``shardmuon bench lm`` makes of its runs: the summary (pure functions of the run
+rows), its tables, and its three PNGs.
+
+A run row (see :func:`shardmuon.bench.lm._run_all`) holds its setting, optimizer, lr, seed,
+held-out losses ``eval`` (``{"step", "tokens", "loss"}``), median step seconds and max
+logits. The PNGs, from ``--plot PATH``:
+
+* ``PATH``: held-out loss against tokens, AdamW and Muon at their best lr (the mean over
+  the seeds, the band from the lowest to the highest seed), AdamW's final loss dotted;
+* ``PATH-engines``: every engine setting's held-out loss, and its final loss against the
+  default's seed range;
+* ``PATH-logits``: the max attention logit per step of the default and of the QK-clip run
+  (before and after the clip), with the threshold.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shardmuon.bench.report import fmt, print_table
+
+__all__ = [
+    "best_lr",
+    "final_loss",
+    "plot_lm",
+    "print_lm_tables",
+    "steps_to_reach",
+    "summarize",
+]
+
+# Muon's targets against AdamW (issue #31): steps to AdamW's final loss at most this share.
+STEPS_RATIO_TARGET = 0.7
+
+
+def final_loss(row: dict[str, Any]) -> float:
+    """The last held-out loss of a run."""
+    return row["eval"][-1]["loss"]
+
+
+def steps_to_reach(evals: Sequence[dict[str, Any]], target: float) -> float | None:
+    """The first step at which the held-out loss is at or below ``target``, interpolated
+    linearly between the two evaluations around the crossing; ``None`` if never."""
+    previous = None
+    for point in evals:
+        if point["loss"] <= target:
+            if previous is None:
+                return float(point["step"])
+            step, loss = previous
+            share = (loss - target) / (loss - point["loss"])
+            return step + share * (point["step"] - step)
+        previous = (point["step"], point["loss"])
+    return None
+
+
+def _spread(values: Sequence[float]) -> dict[str, float]:
+    return {
+        "mean": statistics.fmean(values),
+        "half_range": (max(values) - min(values)) / 2,
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def _groups(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
+    out: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for row in rows:
+        out.setdefault((row["setting"], row["lr"]), []).append(row)
+    return out
+
+
+def best_lr(rows: Sequence[dict[str, Any]], setting: str) -> float:
+    """The lr of ``setting`` with the lowest mean final held-out loss over its seeds."""
+    means = {
+        lr: statistics.fmean(final_loss(r) for r in group)
+        for (name, lr), group in _groups(rows).items()
+        if name == setting
+    }
+    if not means:
+        raise ValueError(f"no {setting} run to choose an lr from")
+    return min(means, key=means.get)
+
+
+def _intervals_overlap(a: dict[str, float], b: dict[str, float]) -> bool:
+    return a["min"] <= b["max"] and b["min"] <= a["max"]
+
+
+def summarize(rows: Sequence[dict[str, Any]], qk_clip_threshold: float | None) -> dict[str, Any]:
+    """The figures of the tables: the lr grid, the comparison at the best lrs, the targets."""
+    groups = _groups(rows)
+    grid = [
+        {"setting": name, "lr": lr, **_spread([final_loss(r) for r in group])}
+        for (name, lr), group in groups.items()
+        if name in ("adamw", "muon")
+    ]
+    adamw_lr, muon_lr = best_lr(rows, "adamw"), best_lr(rows, "muon")
+    steps = max(point["step"] for row in rows for point in row["eval"])
+    target = statistics.fmean(final_loss(r) for r in groups[("adamw", adamw_lr)])
+    compared = [("adamw", adamw_lr), ("muon", muon_lr)]
+    compared += [key for key in groups if key[0] not in ("adamw", "muon")]
+    settings = []
+    for name, lr in compared:
+        group = groups[(name, lr)]
+        reached = [steps_to_reach(r["eval"], target) for r in group]
+        reach = None if None in reached else statistics.fmean(reached)
+        if name == "adamw":
+            reach = float(steps)  # AdamW reaches its own final loss at its last step
+        settings.append(
+            {
+                "setting": name,
+                "lr": lr,
+                "final": _spread([final_loss(r) for r in group]),
+                "steps_to_target": reach,
+                "steps_ratio": None if reach is None else reach / steps,
+                "step_seconds": statistics.fmean(r["step_seconds"] for r in group),
+                "max_logit": max(max(r["max_logits"], default=-math.inf) for r in group),
+            }
+        )
+    default = settings[1]
+    for entry in settings[2:]:
+        entry["within_default_spread"] = _intervals_overlap(entry["final"], default["final"])
+    muon_ratio = default["steps_ratio"]
+    return {
+        "steps": steps,
+        "adamw_lr": adamw_lr,
+        "muon_lr": muon_lr,
+        "target_loss": target,
+        "qk_clip_threshold": qk_clip_threshold,
+        "grid": grid,
+        "settings": settings,
+        "targets": {
+            "muon_steps_ratio": muon_ratio,
+            "muon_steps_ratio_met": muon_ratio is not None and muon_ratio <= STEPS_RATIO_TARGET,
+            "muon_lower_final_met": default["final"]["mean"] < settings[0]["final"]["mean"],
+            "engines_within_spread_met": all(s["within_default_spread"] for s in settings[2:]),
+        },
+    }
+
+
+def _loss_cell(spread: dict[str, float]) -> str:
+    return f"{spread['mean']:.4f} ± {spread['half_range']:.4f}"
+
+
+def print_lm_tables(summary: dict[str, Any], args) -> None:
+    """The lr grid, then the comparison at the best lrs, then the targets, to stdout."""
+    seeds = f"{args.seeds} seed{'s' if args.seeds > 1 else ''}"
+    print_table(
+        f"held-out loss after {summary['steps']} steps, by lr ({seeds})",
+        ["optimizer", "lr", "final held-out", "best"],
+        [
+            [
+                g["setting"],
+                f"{g['lr']:g}",
+                _loss_cell(g),
+                "*" if g["lr"] == summary[f"{g['setting']}_lr"] else "",
+            ]
+            for g in summary["grid"]
+        ],
+        legend=[("final held-out", "nats per byte: mean ± half the range over the seeds")],
+    )
+    target = summary["target_loss"]
+    rows = []
+    for s in summary["settings"]:
+        within = s.get("within_default_spread")
+        rows.append(
+            [
+                s["setting"],
+                f"{s['lr']:g}",
+                _loss_cell(s["final"]),
+                fmt(s["steps_to_target"], ".0f"),
+                fmt(s["steps_ratio"], ".2f"),
+                fmt(s["step_seconds"], ".2f"),
+                "" if within is None else ("yes" if within else "no"),
+            ]
+        )
+    print_table(
+        f"at the best lrs: steps to AdamW's final held-out loss {target:.4f}",
+        ["setting", "lr", "final held-out", "steps", "x AdamW", "s/step", "in spread"],
+        rows,
+        legend=[
+            ("steps", "to reach AdamW's final loss, mean over seeds ('-': a seed never did)"),
+            ("x AdamW", "steps / AdamW's steps (its run length)"),
+            ("s/step", "median step time, mean over seeds (a shared CPU: noisy)"),
+            ("in spread", "the seeds' range overlaps the default (muon) row's"),
+        ],
+    )
+    met = summary["targets"]
+    ratio = met["muon_steps_ratio"]
+    print(
+        f"targets: Muon needs {fmt(ratio, '.2f')}x AdamW's steps "
+        f"(<= {STEPS_RATIO_TARGET}: {'met' if met['muon_steps_ratio_met'] else 'not met'}); "
+        f"lower final loss at equal steps: {'met' if met['muon_lower_final_met'] else 'not met'}; "
+        f"every engine in the default's spread: "
+        f"{'met' if met['engines_within_spread_met'] else 'not met'}"
+    )
+
+
+def _curve(
+    group: Sequence[dict[str, Any]],
+) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Tokens, and the mean, lowest and highest held-out loss over the seeds at each."""
+    tokens = [p["tokens"] for p in group[0]["eval"]]
+    columns = list(zip(*[[p["loss"] for p in r["eval"]] for r in group]))
+    return (
+        tokens,
+        [statistics.fmean(c) for c in columns],
+        [min(c) for c in columns],
+        [max(c) for c in columns],
+    )
+
+
+def _new_figure(width: float = 9.0, height: float = 5.0, columns: int = 1):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, columns, figsize=(width, height), dpi=120, layout="constrained")
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path
+
+
+def _legend_beside(ax) -> None:
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def _token_axis(ax) -> None:
+    from matplotlib.ticker import EngFormatter
+
+    ax.set_xlabel("training tokens (bytes)")
+    ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+
+
+def _zoom_on_tail(ax, lows: Sequence[float], highs: Sequence[float]) -> None:
+    # The first evaluations (near ln 257 = 5.5) would squash the differences that matter:
+    # show from a bit above the loss after a fifth of the run down to the lowest.
+    top = max(h[len(h) // 5] for h in highs)
+    bottom = min(min(lo) for lo in lows)
+    ax.set_ylim(bottom - 0.05 * (top - bottom), top)
+
+
+def _plot_optimizers(groups, summary, path: Path) -> Path:
+    fig, ax = _new_figure()
+    lows, highs = [], []
+    for name, lr in (("adamw", summary["adamw_lr"]), ("muon", summary["muon_lr"])):
+        tokens, mean, low, high = _curve(groups[(name, lr)])
+        (line,) = ax.plot(tokens, mean, marker="o", markersize=3, label=f"{name} (lr {lr:g})")
+        ax.fill_between(tokens, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+        lows.append(low)
+        highs.append(high)
+    ax.axhline(summary["target_loss"], color="gray", linestyle=":", label="AdamW's final")
+    _zoom_on_tail(ax, lows, highs)
+    _token_axis(ax)
+    ax.set_ylabel("held-out loss (nats per byte)")
+    ax.set_title("Muon vs AdamW, byte-level LM, held-out loss (band: seed range)")
+    ax.grid(True, alpha=0.3)
+    _legend_beside(ax)
+    return _save(fig, path)
+
+
+def _plot_engines(groups, summary, path: Path) -> Path:
+    fig, (ax, final_ax) = _new_figure(12.0, 5.0, 2)
+    names = [s["setting"] for s in summary["settings"][1:]]
+    lows, highs = [], []
+    for index, entry in enumerate(summary["settings"][1:]):
+        tokens, mean, low, high = _curve(groups[(entry["setting"], entry["lr"])])
+        # Curves that lie on each other stay told apart by their dashes.
+        dashes = ("-", "--", "-.", ":")[index % 4]
+        ax.plot(tokens, mean, linewidth=1.2, linestyle=dashes, label=entry["setting"])
+        lows.append(low)
+        highs.append(high)
+    _zoom_on_tail(ax, lows, highs)
+    _token_axis(ax)
+    ax.set_ylabel("held-out loss (nats per byte)")
+    ax.set_title(f"engines at Muon's lr {summary['muon_lr']:g} (mean over seeds)")
+    ax.grid(True, alpha=0.3)
+    _legend_beside(ax)
+    finals = [s["final"] for s in summary["settings"][1:]]
+    default = finals[0]
+    final_ax.axvspan(default["min"], default["max"], color="gray", alpha=0.2)
+    for row, spread in enumerate(finals):
+        final_ax.errorbar(
+            spread["mean"], row, xerr=[[spread["mean"] - spread["min"]], [spread["max"] - spread["mean"]]],
+            fmt="o", color="C0", capsize=3,
+        )  # fmt: skip
+    final_ax.set_yticks(range(len(names)), names)
+    final_ax.invert_yaxis()
+    final_ax.set_xlabel(
+        f"final held-out loss at step {summary['steps']}\n(bars: seed range; shaded: muon's)"
+    )
+    final_ax.set_title("final loss per setting")
+    final_ax.grid(True, axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def _plot_logits(rows, summary, path: Path) -> Path | None:
+    clipped = [r for r in rows if r["setting"] == "qk-clip" and r["seed"] == 0]
+    plain = [
+        r
+        for r in rows
+        if r["setting"] == "muon" and r["lr"] == summary["muon_lr"] and r["seed"] == 0
+    ]
+    if not clipped or not plain:
+        return None
+    fig, ax = _new_figure()
+    steps = range(1, len(plain[0]["max_logits"]) + 1)
+    ax.plot(steps, plain[0]["max_logits"], label="muon, no clip")
+    ax.plot(steps, clipped[0]["max_logits"], label="muon + QK-clip: before the clip")
+    ax.plot(
+        steps,
+        clipped[0]["max_logits_after"],
+        linestyle="--",
+        label="muon + QK-clip: after the clip",
+    )
+    ax.axhline(summary["qk_clip_threshold"], color="gray", linestyle=":", label="tau")
+    ax.set_xlabel("step")
+    ax.set_ylabel("max attention logit (any head, any layer)")
+    ax.set_title(f"max attention logit, seed 0, lr {summary['muon_lr']:g}")
+    ax.grid(True, alpha=0.3)
+    _legend_beside(ax)
+    return _save(fig, path)
+
+
+def plot_lm(
+    rows: Sequence[dict[str, Any]], summary: dict[str, Any], plot: str
+) -> list[tuple[Path, str]]:
+    """Write the PNGs (see the module docstring); ``(path, what)`` of each written."""
+    base = Path(plot)
+    groups = _groups(rows)
+    written = [(_plot_optimizers(groups, summary, base), "Muon vs AdamW (PNG)")]
+    if len(summary["settings"]) > 2:
+        path = base.with_name(f"{base.stem}-engines{base.suffix}")
+        written.append((_plot_engines(groups, summary, path), "engines (PNG)"))
+    logits = _plot_logits(rows, summary, base.with_name(f"{base.stem}-logits{base.suffix}"))
+    if logits is not None:
+        written.append((logits, "max attention logits (PNG)"))
+    return written

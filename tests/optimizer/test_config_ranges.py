@@ -1,0 +1,149 @@
+"""Attacks on ``MuonConfig``'s range checks: strings read as numbers, every bad value refused
+with a ValueError naming the field (huge ints, NaN and inf from JSON included), numpy
+scalars accepted, and the same numbers accepted as by the ``Muon`` constructor.
+
+The reference is the constructor's own checks (one range per setting, spelled once).
+Failing tests are escapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn import Parameter
+
+from shardmuon import Muon
+from shardmuon.config import MuonConfig
+
+
+@pytest.mark.parametrize(
+    ("field", "text", "value"),
+    [
+        ("lr", "0.02", 0.02),
+        ("lr", " 0.02 ", 0.02),
+        ("lr", "1e-3", 1e-3),
+        ("weight_decay", "0", 0.0),
+        ("epsilon", "1e-12", 1e-12),
+        ("mu", "0.9", 0.9),
+        ("update_rms", "0.25", 0.25),
+    ],
+)
+def test_config_reads_toml_ish_strings(field, text, value) -> None:
+    assert getattr(MuonConfig(**{field: text}), field) == value
+
+
+def test_config_reads_string_betas_and_tensors() -> None:
+    assert MuonConfig(betas=["0.8", "0.99"]).betas == (0.8, 0.99)
+    assert MuonConfig(lr=torch.tensor(0.5)).lr == 0.5
+    assert isinstance(MuonConfig(lr=torch.tensor(0.5)).lr, float)
+
+
+BAD_CONFIG = [
+    ("lr", True),
+    ("lr", False),
+    ("lr", "nan"),
+    ("lr", "inf"),
+    ("lr", float("nan")),
+    ("lr", -float("inf")),
+    ("lr", "-0.1"),
+    ("lr", torch.tensor([0.1, 0.2])),
+    ("lr", torch.tensor(True)),
+    ("lr", torch.tensor(float("nan"))),
+    ("lr", None),
+    ("lr", "fast"),
+    ("lr", b"0.02x"),
+    ("weight_decay", -1e-9),
+    ("epsilon", 0),
+    ("epsilon", 0.0),
+    ("epsilon", "0"),
+    ("epsilon", -0.0),
+    ("mu", 1.0),
+    ("mu", "1"),
+    ("mu", -1e-12),
+    ("update_rms", 0.0),
+    ("update_rms", float("inf")),
+    ("betas", (0.9, True)),
+    ("betas", ("0.9", "nan")),
+    ("betas", "0.9,0.95"),
+    ("betas", (0.9, 0.95, 0.99)),
+    ("betas", torch.tensor([0.9, 0.95])),
+    ("max_in_flight", 0),
+    ("max_in_flight", True),
+    ("max_in_flight", 2.5),
+    ("offload_prefetch", -1),
+    ("workspace_bytes", 0),
+    ("adjust_lr", "rms"),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_CONFIG, ids=lambda v: repr(v)[:30])
+def test_config_refuses_naming_the_field(field, value) -> None:
+    with pytest.raises(ValueError) as info:
+        MuonConfig(**{field: value})
+    assert field in str(info.value)
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400)], ids=["huge", "huge-negative"])
+@pytest.mark.parametrize("field", ["lr", "weight_decay", "epsilon", "mu", "update_rms"])
+def test_config_refuses_an_int_too_large_for_a_float_with_a_value_error(field, value) -> None:
+    """Every bad config raises ValueError (the module docstring): a JSON/Python int beyond
+    float range must be refused like inf, not escape as OverflowError."""
+    with pytest.raises(ValueError, match=field):
+        MuonConfig(**{field: value})
+
+
+def test_config_from_json_with_a_huge_int_is_a_validation_error() -> None:
+    with pytest.raises(ValueError, match="lr"):
+        MuonConfig.model_validate_json('{"lr": 1' + "0" * 400 + "}")
+
+
+def test_config_from_json_refuses_nan_and_inf() -> None:
+    for text in ('{"lr": NaN}', '{"lr": Infinity}', '{"epsilon": 0}', '{"lr": 1e400}'):
+        with pytest.raises(ValueError):
+            MuonConfig.model_validate_json(text)
+
+
+def test_config_accepts_numpy_scalars_as_before() -> None:
+    """Before this session's refactor ``_number`` used ``float(value)``: a numpy float32
+    (e.g. from ``np.logspace(...).astype(np.float32)`` in a sweep) was accepted. The range
+    check now refuses every non-int/float, a regression for such configs."""
+    np = pytest.importorskip("numpy")
+    assert MuonConfig(lr=np.float32(0.5)).lr == 0.5
+    assert MuonConfig(mu=np.float16(0.5)).mu == 0.5
+
+
+NUMBERS = [0, 0.0, -0.0, 1e-300, 0.5, 0.999999, 1.0, 2, 1e300, -1e-9, math.inf, math.nan]
+
+
+@pytest.mark.parametrize("value", NUMBERS, ids=repr)
+@pytest.mark.parametrize("field", ["lr", "weight_decay", "epsilon", "mu", "update_rms"])
+def test_config_and_constructor_accept_the_same_numbers(field, value) -> None:
+    """The config's ranges are the constructor's, spelled once."""
+
+    def accepted(build) -> bool:
+        try:
+            build()
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    by_config = accepted(lambda: MuonConfig(**{field: value}))
+    by_muon = accepted(lambda: Muon([Parameter(torch.zeros(2, 2))], **{field: value}))
+    assert by_config == by_muon
+
+
+def test_config_betas_and_constructor_agree() -> None:
+    for pair in [(0.0, 0.0), (0.999, 0.5), (1.0, 0.5), (0.5, -0.1), (0.5, math.nan)]:
+        try:
+            Muon([Parameter(torch.zeros(2, 2))], betas=pair)
+            by_muon = True
+        except (TypeError, ValueError):
+            by_muon = False
+        try:
+            MuonConfig(betas=pair)
+            by_config = True
+        except ValueError:
+            by_config = False
+        assert by_config == by_muon, pair

@@ -1,0 +1,229 @@
+"""Bad input raises before anything changes: complex and sparse parameters or grads, bad
+settings (in the constructor or edited into a group), a parameter listed twice or in two
+groups. A refused input leaves params, state and step counters as they were, and the next
+good step == an optimizer that never saw the bad input. Also what looks bad but is not: a
+1-element tensor lr, zero-size matrices.
+
+Single process, CPU; compared bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from checks import (
+    assert_same_optimizers,
+    assert_unchanged,
+    clone_params,
+    optimizer_snapshot,
+    set_grads,
+)
+from fidelity_setup import MIXED_SHAPES, grads, mixed, mixed_params, param, step_with
+from torch import Tensor, nn
+
+from shardmuon import Muon
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "shape"), [("muon", (8, 4)), ("adamw", (8,)), ("adamw", (8, 4))]
+)
+def test_complex_params_are_refused(algorithm: str, shape: tuple) -> None:
+    p = nn.Parameter(torch.randn(shape, dtype=torch.complex64))
+    pattern = r"param group 0: parameter 0 has dtype torch\.complex64; shardmuon steps real"
+    with pytest.raises(TypeError, match=pattern):
+        Muon([dict(params=[p], algorithm=algorithm)])
+    params = mixed_params()
+    opt = mixed(params)
+    with pytest.raises(TypeError, match=pattern.replace("group 0", "group 2")):
+        opt.add_param_group(dict(params=[p], algorithm=algorithm))
+    assert len(opt.param_groups) == 2 and p not in opt.state
+    step_with(opt, params, 0)
+
+
+def _embedding_sparse_grad(params: list[Tensor]) -> None:
+    emb = nn.Embedding(10, 4, sparse=True)
+    emb.weight = params[-1]
+    emb(torch.tensor([1, 2, 2])).sum().backward()
+
+
+def _coo_grad(params: list[Tensor]) -> None:
+    p = params[0]
+    values = torch.ones(2, p.shape[1])
+    p.grad = torch.sparse_coo_tensor(
+        torch.tensor([[0, 3]]), values, size=p.shape, check_invariants=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("make_sparse", "pattern"),
+    [
+        (
+            _embedding_sparse_grad,
+            r"param group 1 parameter 0 \(shape \(10, 4\)\) has a sparse grad \(layout "
+            r"torch\.sparse_coo\)",
+        ),
+        (
+            _coo_grad,
+            r"param group 0 parameter 0 \(shape \(16, 8\)\) has a sparse grad \(layout "
+            r"torch\.sparse_coo\)",
+        ),
+    ],
+    ids=["embedding-adamw", "coo-muon"],
+)
+def test_sparse_grads_are_refused_before_anything_changes(
+    make_sparse: Callable, pattern: str
+) -> None:
+    shapes = [(16, 8), (10, 4)]
+
+    def build(params):
+        return Muon([dict(params=params[:1]), dict(params=params[1:], algorithm="adamw")])
+
+    params = [param(s, i) for i, s in enumerate(shapes)]
+    ref_params = clone_params(params)
+    opt, ref = build(params), build(ref_params)
+    step_with(opt, params, 0)
+    step_with(ref, ref_params, 0)
+    snap = optimizer_snapshot(opt, params)
+    set_grads(params, grads(shapes, 1))
+    if make_sparse is _embedding_sparse_grad:
+        params[1].grad = None
+    make_sparse(params)
+    with pytest.raises(TypeError, match=pattern):
+        opt.step()
+    assert_unchanged(opt, params, snap)
+    with pytest.raises(TypeError, match=pattern):
+        opt.step_chunk(opt.chunks()[-1])
+    assert_unchanged(opt, params, snap)
+    # Dense grads again: the optimizer steps like one that never saw the sparse grad.
+    step_with(opt, params, 2)
+    step_with(ref, ref_params, 2)
+    assert_same_optimizers(opt, params, ref, ref_params)
+
+
+BAD_SETTINGS = [
+    # (key, value, exception, pattern after "<key> ")
+    ("lr", math.inf, ValueError, r"lr must be a finite number >= 0, got inf"),
+    ("lr", math.nan, ValueError, r"lr must be a finite number >= 0, got nan"),
+    ("lr", -1.0, ValueError, r"lr must be a finite number >= 0, got -1\.0"),
+    ("weight_decay", math.inf, ValueError, r"weight_decay must be a finite number >= 0, got inf"),
+    ("epsilon", 0.0, ValueError, r"epsilon must be a finite number > 0, got 0\.0"),
+    ("epsilon", -1.0, ValueError, r"epsilon must be a finite number > 0, got -1\.0"),
+    ("epsilon", math.inf, ValueError, r"epsilon must be a finite number > 0, got inf"),
+    ("mu", 1.0, ValueError, r"mu must be a number in \[0, 1\), got 1\.0"),
+    (
+        "lr",
+        torch.tensor([0.1, 0.2]),
+        ValueError,
+        r"lr must be a number or a 1-element tensor, got a tensor of shape \(2,\)",
+    ),
+    ("lr", None, TypeError, r"lr must be a finite number >= 0, got None"),
+    ("adjust_lr", "max", ValueError, r"unknown adjust_lr 'max'"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "error", "pattern"), BAD_SETTINGS)
+def test_bad_setting_in_constructor(key: str, value: Any, error: type, pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        mixed(mixed_params(), **{key: value})
+
+
+@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize(("key", "value", "error", "pattern"), BAD_SETTINGS)
+def test_bad_setting_edited_into_a_group_raises_at_step(
+    key: str, value: Any, error: type, pattern: str, index: int
+) -> None:
+    params, ref_params = mixed_params(), mixed_params()
+    opt, ref = mixed(params), mixed(ref_params)
+    step_with(opt, params, 0)
+    step_with(ref, ref_params, 0)
+    snap = optimizer_snapshot(opt, params)
+    good = opt.param_groups[index][key]
+    opt.param_groups[index][key] = value
+    set_grads(params, grads(MIXED_SHAPES, 1))
+    with pytest.raises(error, match=rf"param group {index}: {pattern}"):
+        opt.step()
+    assert_unchanged(opt, params, snap)
+    with pytest.raises(error, match=rf"param group {index}: {pattern}"):
+        opt.step_chunk(opt.chunks()[0])
+    assert_unchanged(opt, params, snap)
+    opt.param_groups[index][key] = good
+    step_with(opt, params, 1)
+    step_with(ref, ref_params, 1)
+    assert_same_optimizers(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("where", ["constructor", "group"])
+def test_one_element_tensor_lr_works_like_the_float(where: str) -> None:
+    lr = 0.015625  # exact in float32, so the tensor holds the same number
+    params, ref_params = mixed_params(), mixed_params()
+    if where == "constructor":
+        opt = mixed(params, lr=torch.tensor(lr))
+    else:
+        opt = mixed(params)
+        for group in opt.param_groups:
+            group["lr"] = torch.tensor([lr])
+    ref = mixed(ref_params, lr=lr)
+    for s in range(2):
+        step_with(opt, params, s)
+        step_with(ref, ref_params, s)
+    assert_same_optimizers(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("adjust_lr", ["spectral_norm", "keller_muon", "rms_norm", None])
+def test_zero_size_matrices_step(adjust_lr: str | None) -> None:
+    normal_shapes = [(16, 8), (8,)]
+    empty_shapes = [(0, 8), (8, 0), (0, 4, 4), (2, 0, 4)]
+    normal = [param(s, i) for i, s in enumerate(normal_shapes)]
+    empty = [nn.Parameter(torch.zeros(s)) for s in empty_shapes]
+    ref_normal = clone_params(normal)
+    kwargs = dict(adjust_lr=adjust_lr, weight_decay=0.1)
+    opt = Muon(
+        [dict(params=[normal[0], *empty]), dict(params=normal[1:], algorithm="adamw")], **kwargs
+    )
+    ref = Muon(
+        [dict(params=ref_normal[:1]), dict(params=ref_normal[1:], algorithm="adamw")], **kwargs
+    )
+    for s in range(2):
+        step_with(opt, normal + empty, s)
+        step_with(ref, ref_normal, s)
+    assert_same_optimizers(opt, normal, ref, ref_normal)
+    for p, shape in zip(empty, empty_shapes):
+        assert p.shape == shape and opt.state[p]["momentum"].shape == shape
+    assert not torch.equal(normal[0].detach(), param((16, 8), 0).detach()), "not updated"
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
+def test_parameter_listed_twice_in_a_group_is_refused() -> None:
+    a, b = param((16, 8), 0), param((8, 8), 1)
+    with pytest.raises(
+        ValueError, match=r"param group 0: parameter 2 \(shape \(16, 8\)\) is listed twice"
+    ):
+        Muon([dict(params=[a, b, a])])
+    params = mixed_params()
+    opt = mixed(params)
+    c = param((4, 4), 2)
+    with pytest.raises(ValueError, match=r"param group 2: parameter 1 .* is listed twice"):
+        opt.add_param_group(dict(params=[c, c]))
+    assert len(opt.param_groups) == 2
+    step_with(opt, params, 0)
+
+
+def test_parameter_in_two_groups_is_refused() -> None:
+    a, b = param((16, 8), 0), param((8, 8), 1)
+    pattern = r"some parameters appear in more than one parameter group"
+    with pytest.raises(ValueError, match=pattern):
+        Muon([dict(params=[a]), dict(params=[a, b])])
+    params, ref_params = mixed_params(), mixed_params()
+    opt, ref = mixed(params), mixed(ref_params)
+    with pytest.raises(ValueError, match=pattern):
+        opt.add_param_group(dict(params=[params[0]]))
+    assert len(opt.param_groups) == 2
+    step_with(opt, params, 0)
+    step_with(ref, ref_params, 0)
+    assert_same_optimizers(opt, params, ref, ref_params)
