@@ -44,7 +44,7 @@ def no_work(monkeypatch):
     monkeypatch.setattr(mp, "start_processes", forbidden)
     monkeypatch.setattr(step, "launch", forbidden)
     monkeypatch.setattr(ns, "measure_shape", forbidden)
-    monkeypatch.setattr(ns, "_input_and_reference", forbidden)
+    monkeypatch.setattr(ns, "input_and_reference", forbidden)
     monkeypatch.setattr(ab, "_Setup", forbidden)
     monkeypatch.setattr(plan, "build_meta_model", forbidden)
     monkeypatch.setattr(train_run, "train_on_rank", forbidden)
@@ -394,7 +394,7 @@ def test_ns_fp16_on_such_a_cpu_says_so_before_running(cpu_without_fp16, monkeypa
         assert "--dtypes with fp16 on a CPU without native fp16 GEMMs" in capsys.readouterr().err
         raise _Stop
 
-    monkeypatch.setattr(ns, "_input_and_reference", stop)
+    monkeypatch.setattr(ns, "input_and_reference", stop)
     with pytest.raises(_Stop):
         main(["bench", "ns", "--device", "cpu", "--dtypes", "bf16,fp16", "--no-progress"])
 

@@ -165,9 +165,13 @@ def test_both_clis_take_the_preconditioner() -> None:
                      False, ns_preconditioner="aol")  # fmt: skip
     assert cfg.ns_options() == {"newton_schulz_preconditioner": "aol"}
     train = parser.parse_args(["train", "--ns-preconditioner", "aol", "--ns-impl", "gram"])
-    config = _config_from_args(train)
-    assert (config.ns_preconditioner, config.coefficients, config.ns_impl) == ("aol", "aol", "gram")
+    optim = _config_from_args(train).optim
+    assert (
+        optim.newton_schulz_preconditioner,
+        optim.newton_schulz_coefficients,
+        optim.newton_schulz_impl,
+    ) == ("aol", "aol", "gram")
     explicit = _config_from_args(
         parser.parse_args(["train", "--ns-preconditioner", "aol", "--coefficients", "keller"])
     )
-    assert explicit.coefficients == "keller"
+    assert explicit.optim.newton_schulz_coefficients == "keller"

@@ -1,0 +1,113 @@
+"""``TrainConfig`` holds a ``MuonConfig`` (issue #30 item 5): one validation path from flag to
+constructor, the settings recorded nested and read back from old flat checkpoints too.
+Fast: no training."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from shardmuon.config import MuonConfig
+from shardmuon.train.cli import _config_from_args, add_parser
+from shardmuon.train.config import TrainConfig, config_dict, optim_settings, task_config
+from shardmuon.train.resume import (
+    RESUME_FIXED,
+    flag_name,
+    recorded_settings,
+    settings_conflicts,
+)
+
+
+def _parse(*argv: str):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["train", *argv])
+
+
+def test_the_optimizer_settings_are_one_muon_config():
+    config = TrainConfig()
+    assert isinstance(config.optim, MuonConfig)
+    assert (config.optim.weight_decay, config.optim.newton_schulz_coefficients) == (0.0, "dion")
+    mapped = TrainConfig(optim={"lr": 0.02, "mu": 0.9})
+    assert (mapped.optim.lr, mapped.optim.mu, mapped.optim.weight_decay) == (0.02, 0.9, 0.0)
+    changed = optim_settings(mapped.optim, newton_schulz_impl="gram")
+    assert (changed.lr, changed.newton_schulz_impl) == (0.02, "gram")
+
+
+def test_a_bad_setting_is_refused_in_one_line_naming_it():
+    with pytest.raises(ValueError, match=r"^lr must be a finite number >= 0, got -1\.0$"):
+        optim_settings(lr=-1.0)
+    with pytest.raises(ValueError, match=r"^qk_clip_threshold must be a finite number > 0"):
+        TrainConfig(optim={"qk_clip_threshold": 0})
+    with pytest.raises(ValueError, match=r"^momentum: Extra inputs are not permitted$"):
+        optim_settings(momentum=0.9)
+
+
+def test_flags_reach_the_muon_config():
+    args = _parse("--lr", "0.03", "--ns-dtype", "fp32", "--ns-impl", "gram", "--coefficients",
+                  "polar-express", "--qk-clip-threshold", "20", "--offload", "state",
+                  "--nproc", "1")  # fmt: skip
+    optim = _config_from_args(args).optim
+    assert (optim.lr, optim.newton_schulz_dtype, optim.newton_schulz_impl) == (
+        0.03, "float32", "gram",
+    )  # fmt: skip
+    assert (optim.newton_schulz_coefficients, optim.qk_clip_threshold) == ("polar-express", 20.0)
+    assert optim.offload == "state"
+    aol = _config_from_args(_parse("--ns-preconditioner", "aol", "--nproc", "1")).optim
+    assert (aol.newton_schulz_preconditioner, aol.newton_schulz_coefficients) == ("aol", "aol")
+
+
+def test_task_defaults_follow_the_task_and_the_optimizer():
+    lm = _config_from_args(_parse("--task", "lm", "--nproc", "1"))
+    assert lm == task_config("lm", nproc=1)
+    adamw = _config_from_args(_parse("--task", "lm", "--optimizer", "adamw", "--nproc", "1"))
+    assert adamw.optim.lr == task_config("lm", "adamw").optim.lr and adamw.adamw_lr is None
+    reverse = _config_from_args(_parse("--nproc", "1"))
+    assert (reverse.task, reverse.steps, reverse.optim.lr) == ("reverse", 150, 0.01)
+
+
+def test_the_recorded_config_is_json_with_the_settings_nested():
+    config = task_config("lm", optim={"qk_clip_threshold": 30.0})
+    recorded = json.loads(json.dumps(config_dict(config)))
+    assert recorded["optim"]["qk_clip_threshold"] == 30.0
+    assert recorded["optim"]["newton_schulz_dtype"] == "bfloat16"
+    assert recorded["task"] == "lm" and "lr" not in recorded
+
+
+def _checkpoint(tmp_path, config: dict):
+    ckpt = tmp_path / "step-000002"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "config": config}))
+    return ckpt
+
+
+def test_old_flat_checkpoints_are_read_through_the_old_names(tmp_path):
+    flat = {"optimizer": "muon", "coefficients": "dion", "ns_impl": "folded", "ns_dtype": "bf16",
+            "ns_preconditioner": None, "update_rms": 0.2, "lr": 0.02, "weight_decay": 0.0,
+            "mu": 0.9, "nesterov": False}  # fmt: skip
+    ckpt = _checkpoint(tmp_path, flat)
+    config = dataclasses.replace(TrainConfig(), resume=str(ckpt))
+    recorded = recorded_settings(config, ckpt)
+    assert recorded["optim.newton_schulz_dtype"] == "bfloat16"
+    assert (recorded["optim.lr"], recorded["optim.mu"]) == (0.02, 0.9)
+    assert settings_conflicts(config, recorded) == [
+        "--lr 0.01 (checkpoint: 0.02)",
+        "--mu 0.95 (checkpoint: 0.9)",
+    ]
+
+
+def test_new_checkpoints_record_the_nested_settings(tmp_path):
+    saved = task_config("lm", optim={"lr": 0.03})
+    ckpt = _checkpoint(tmp_path, config_dict(saved))
+    config = dataclasses.replace(task_config("lm"), resume=str(ckpt))
+    recorded = recorded_settings(config, ckpt)
+    assert set(recorded) == set(RESUME_FIXED)
+    assert settings_conflicts(config, recorded) == [f"--lr {config.optim.lr!r} (checkpoint: 0.03)"]
+    assert [flag_name(name) for name in ("optim.newton_schulz_impl", "warmup_steps")] == [
+        "--ns-impl",
+        "--warmup",
+    ]
