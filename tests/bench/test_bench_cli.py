@@ -307,8 +307,8 @@ MODEL_CHOICES = "{" + ",".join(sorted(MODEL_PRESETS)) + "}"
         (["bench", "ab", "--help"], ["(default: 3)", "(default: 0.02)"]),
         (
             ["train", "--help"],
-            [MODEL_CHOICES, "(default: tiny-moe)",
-             "{muon,adamw}", "(default: 150)", "{fsdp,ep,fsdp-tp}", "--mesh DPxTP", "on --resume: the checkpoint's"],
+            [MODEL_CHOICES, "(default: tiny-moe; --task lm: lm-llama)",
+             "{muon,adamw}", "(default: 150; --task lm: 300)", "{fsdp,ep,fsdp-tp}", "--mesh DPxTP", "on --resume: the checkpoint's"],
         ),
     ],
 )  # fmt: skip
