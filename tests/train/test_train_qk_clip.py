@@ -18,8 +18,10 @@ TAU = 10.0
 BASE = TrainConfig(
     model="tiny-llama",
     num_layers=2,
-    optim={"lr": 0.05},
-    steps=24,
+    # fp32 Newton-Schulz: bf16 GEMMs round differently per CPU (native on avx512_bf16,
+    # emulated on AVX2), and at this deliberately high lr the runs part ways within 20 steps.
+    optim={"lr": 0.05, "newton_schulz_dtype": "float32"},
+    steps=30,
     batch_size=16,
     max_len=6,
     nproc=1,
@@ -56,7 +58,8 @@ def test_recording_alone_changes_no_loss(runs):
 def test_the_max_logit_grows_without_the_clip_and_stays_near_tau_with_it(runs):
     free, clipped = runs["logged"].max_logits, runs["clipped"].max_logits
     last = BASE.steps
-    assert free[last] > 3 * TAU, free  # the high lr drives the logits up
+    assert max(free.values()) > 3 * TAU, free  # the high lr drives the logits up
+    assert free[last] > 10 * free[1], free
     # Each step's max is measured before its clip: one optimizer step's growth above tau at
     # most (this lr: under 2x); after the clip the same inputs give at most tau.
     assert max(clipped.values()) < 2 * TAU, clipped
@@ -72,7 +75,7 @@ def test_the_max_logit_grows_without_the_clip_and_stays_near_tau_with_it(runs):
 @pytest.mark.slow
 def test_two_ranks_clip_like_one(runs):
     """FSDP2 over 2 ranks, the batch split: the same max logits as one process until the
-    first clip (to 10%: at this deliberately high lr Muon's bf16 re-sharding noise grows
+    first clip (to 10%: at this deliberately high lr the re-sharded reductions' rounding grows
     to a few percent by step 13), and the same bound after it."""
     one, two = runs["clipped"], runs["clipped2"]
     first = min(s for s, v in one.max_logits.items() if v > TAU)
