@@ -1,14 +1,15 @@
 """``shardmuon bench lm``: Muon against AdamW, and every Newton-Schulz engine against Muon's
 default, on byte-level language-model pretraining (``shardmuon train --task lm``).
 
-Three sweeps, each on one set of ranks: AdamW over ``--adamw-lrs``; Muon over
-``--muon-lrs``, its AdamW group (embeddings, norms, head) at AdamW's best lr; then, at
-Muon's best lr, each of ``--engines``. Every run has ``--seeds`` seeds (model init and data
-order) and records the max attention logit per step (recording changes no loss). "Best" is
-the lowest final held-out loss, the mean over the seeds. The tables: the final held-out
-loss of every run (mean and half the range over the seeds); per setting, the steps it needs
-to reach AdamW's best final held-out loss (interpolated between held-out evaluations) and
-its median step time. ``--plot`` writes three PNGs (see :mod:`.lm_report`).
+Four sweeps, each on one set of ranks: AdamW over ``--adamw-lrs``; Muon over ``--muon-lrs``,
+its AdamW group (embeddings, norms, head) at the first of ``--muon-adamw-lrs``; at Muon's
+best lr, its AdamW group at the others; then, at Muon's best pair, each of ``--engines``.
+Every run has ``--seeds`` seeds (model init and data order) and records the max attention
+logit per step (recording changes no loss). "Best" is the lowest final held-out loss, the
+mean over the seeds. The tables: the final held-out loss of every run (mean and half the
+range over the seeds); per setting, the steps it needs to reach AdamW's best final held-out
+loss (interpolated between held-out evaluations) and its median step time. ``--plot``
+writes three PNGs (see :mod:`.lm_report`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from shardmuon.bench.lm_report import (
-    best_lr,
-    plot_lm,
-    print_lm_tables,
-    summarize,
-)
+from shardmuon.bench.lm_report import best_key, plot_lm, print_lm_tables, summarize
 from shardmuon.bench.report import write_json
 from shardmuon.harness.cli_support import (
     HelpFormatter,
@@ -49,10 +45,15 @@ ENGINE_SETTINGS: dict[str, dict[str, Any]] = {
     "deepseek-v4": {"newton_schulz_coefficients": "deepseek-v4"},
     "qk-clip": {},
 }
-DEFAULT_ADAMW_LRS = (0.002, 0.004, 0.008)
-DEFAULT_MUON_LRS = (0.01, 0.02, 0.04)
-DEFAULT_STEPS = 200
-DEFAULT_QK_CLIP_THRESHOLD = 20.0
+# The grids bracket the best lrs of a first, one-seed sweep (docs/benchmarks.md).
+# (As flag text: argparse parses a string default with the flag's type.)
+DEFAULT_ADAMW_LRS = "0.001,0.002,0.004"
+DEFAULT_MUON_LRS = "0.005,0.01,0.02"
+DEFAULT_MUON_ADAMW_LRS = "0.004,0.008"
+DEFAULT_STEPS = 150
+DEFAULT_EVAL_EVERY = 10
+# Chosen to bind: Muon's max logit passes it about halfway through the default run.
+DEFAULT_QK_CLIP_THRESHOLD = 15.0
 
 
 def _lrs(text: str) -> tuple[float, ...]:
@@ -102,13 +103,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help="steps per run")
     p.add_argument("--seeds", type=positive_int, default=2, help="seeds per setting (0, 1, ...)")
     p.add_argument("--adamw-lrs", type=_lrs, default=DEFAULT_ADAMW_LRS, metavar="LR,...",
-                   help="AdamW's lr grid (default: %(default)s)")  # fmt: skip
+                   help="AdamW's lr grid")  # fmt: skip
     p.add_argument("--muon-lrs", type=_lrs, default=DEFAULT_MUON_LRS, metavar="LR,...",
-                   help="Muon's lr grid (default: %(default)s)")  # fmt: skip
+                   help="Muon's lr grid")  # fmt: skip
     p.add_argument(
-        "--engines", type=_engines, default=tuple(ENGINE_SETTINGS), metavar="NAME,...",
-        help=f"settings run at Muon's best lr: {', '.join(ENGINE_SETTINGS)}, or 'none' "
-        "(default: all)",
+        "--muon-adamw-lrs", type=_lrs, default=DEFAULT_MUON_ADAMW_LRS, metavar="LR,...",
+        help="lr grid of Muon's AdamW group: the first with every --muon-lrs, the others at "
+        "Muon's best lr",
+    )  # fmt: skip
+    p.add_argument(
+        "--engines", type=_engines, default=",".join(ENGINE_SETTINGS), metavar="NAME,...",
+        help="settings run at Muon's best lr, or 'none'",
     )  # fmt: skip
     p.add_argument(
         "--qk-clip-threshold", type=positive_float, default=DEFAULT_QK_CLIP_THRESHOLD,
@@ -119,7 +124,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seq-len", type=int_at_least(2), default=256, help="bytes per sequence")
     p.add_argument("--warmup", type=positive_int, default=LM_DEFAULTS["warmup_steps"],
                    metavar="N", help="linear lr warmup steps")  # fmt: skip
-    p.add_argument("--eval-every", type=positive_int, default=25, metavar="N",
+    p.add_argument("--eval-every", type=positive_int, default=DEFAULT_EVAL_EVERY, metavar="N",
                    help="held-out loss every N steps")  # fmt: skip
     p.add_argument("--eval-sequences", type=positive_int, default=32, metavar="N",
                    help="held-out sequences scored each time")  # fmt: skip
@@ -165,6 +170,8 @@ def sweep_configs(base, setting: str, optimizer: str, lr: float, seeds: int, **c
     from shardmuon.train.launch import ANNOUNCE
 
     optim = optim_settings(base.optim, lr=lr, **changes.pop("optim", {}))
+    if optimizer == "adamw":
+        changes["adamw_lr"] = None  # one lr for every group
     configs = []
     for seed in range(seeds):
         extra = {"setting": setting, "seed": seed, ANNOUNCE: f"{setting}, lr {lr:g}, seed {seed}"}
@@ -180,7 +187,10 @@ def _run_all(configs) -> list[dict[str, Any]]:
     """Train every config (one set of ranks for all); one row per run."""
     from shardmuon.train.launch import run_sequentially, spawn_runs
 
-    results = run_sequentially(configs, 0, 1) if configs[0].nproc == 1 else spawn_runs(configs)
+    if configs[0].nproc == 1:
+        results = run_sequentially([(config, None) for config in configs], 0, 1)
+    else:
+        results = spawn_runs(configs)
     rows = []
     for config, result in zip(configs, results):
         rows.append(
@@ -209,24 +219,34 @@ def run(args: argparse.Namespace) -> int:
     check_outputs({"--json": args.json, "--plot": args.plot})
     base = _base_config(args)
     base.validate()  # the corpus, the process count, the model's positions: before any run
-    runs = len(args.adamw_lrs) + len(args.muon_lrs) + len(args.engines)
+    first, *others = args.muon_adamw_lrs
+    runs = len(args.adamw_lrs) + len(args.muon_lrs) + len(others) + len(args.engines)
     note(
         f"shardmuon bench lm: {runs * args.seeds} runs of {args.steps} steps at "
         f"{args.nproc} rank(s): AdamW lrs {list(args.adamw_lrs)}, Muon lrs "
-        f"{list(args.muon_lrs)}, then {len(args.engines)} engine settings"
+        f"{list(args.muon_lrs)} (AdamW group {first}), Muon's AdamW group {others}, then "
+        f"{len(args.engines)} engine settings"
     )
     rows = _run_all(
         [c for lr in args.adamw_lrs for c in sweep_configs(base, "adamw", "adamw", lr, args.seeds)]
     )
-    adamw_lr = best_lr(rows, "adamw")
     rows += _run_all(
         [
             c
             for lr in args.muon_lrs
-            for c in sweep_configs(base, "muon", "muon", lr, args.seeds, adamw_lr=adamw_lr)
+            for c in sweep_configs(base, "muon", "muon", lr, args.seeds, adamw_lr=first)
         ]
     )
-    muon_lr = best_lr(rows, "muon")
+    _, muon_lr, _ = best_key(rows, "muon")
+    if others:
+        rows += _run_all(
+            [
+                c
+                for group_lr in others
+                for c in sweep_configs(base, "muon", "muon", muon_lr, args.seeds, adamw_lr=group_lr)
+            ]
+        )
+    _, muon_lr, adamw_lr = best_key(rows, "muon")
     engine_configs = []
     for name in args.engines:
         optim = dict(ENGINE_SETTINGS[name])

@@ -24,7 +24,7 @@ from typing import Any
 from shardmuon.bench.report import fmt, print_table
 
 __all__ = [
-    "best_lr",
+    "best_key",
     "final_loss",
     "plot_lm",
     "print_lm_tables",
@@ -65,19 +65,24 @@ def _spread(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def _groups(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
-    out: dict[tuple[str, float], list[dict[str, Any]]] = {}
+Key = tuple[str, float, "float | None"]
+
+
+def _groups(rows: Sequence[dict[str, Any]]) -> dict[Key, list[dict[str, Any]]]:
+    """The runs by ``(setting, lr, adamw_lr)``: the seeds of one configuration."""
+    out: dict[Key, list[dict[str, Any]]] = {}
     for row in rows:
-        out.setdefault((row["setting"], row["lr"]), []).append(row)
+        out.setdefault((row["setting"], row["lr"], row["adamw_lr"]), []).append(row)
     return out
 
 
-def best_lr(rows: Sequence[dict[str, Any]], setting: str) -> float:
-    """The lr of ``setting`` with the lowest mean final held-out loss over its seeds."""
+def best_key(rows: Sequence[dict[str, Any]], setting: str) -> Key:
+    """The ``(setting, lr, adamw_lr)`` of ``setting`` with the lowest mean final held-out
+    loss over its seeds."""
     means = {
-        lr: statistics.fmean(final_loss(r) for r in group)
-        for (name, lr), group in _groups(rows).items()
-        if name == setting
+        key: statistics.fmean(final_loss(r) for r in group)
+        for key, group in _groups(rows).items()
+        if key[0] == setting
     }
     if not means:
         raise ValueError(f"no {setting} run to choose an lr from")
@@ -91,19 +96,25 @@ def _intervals_overlap(a: dict[str, float], b: dict[str, float]) -> bool:
 def summarize(rows: Sequence[dict[str, Any]], qk_clip_threshold: float | None) -> dict[str, Any]:
     """The figures of the tables: the lr grid, the comparison at the best lrs, the targets."""
     groups = _groups(rows)
+    adamw, muon = best_key(rows, "adamw"), best_key(rows, "muon")
     grid = [
-        {"setting": name, "lr": lr, **_spread([final_loss(r) for r in group])}
-        for (name, lr), group in groups.items()
-        if name in ("adamw", "muon")
+        {
+            "setting": key[0],
+            "lr": key[1],
+            "adamw_lr": key[2],
+            "best": key in (adamw, muon),
+            **_spread([final_loss(r) for r in group]),
+        }
+        for key, group in groups.items()
+        if key[0] in ("adamw", "muon")
     ]
-    adamw_lr, muon_lr = best_lr(rows, "adamw"), best_lr(rows, "muon")
     steps = max(point["step"] for row in rows for point in row["eval"])
-    target = statistics.fmean(final_loss(r) for r in groups[("adamw", adamw_lr)])
-    compared = [("adamw", adamw_lr), ("muon", muon_lr)]
-    compared += [key for key in groups if key[0] not in ("adamw", "muon")]
+    target = statistics.fmean(final_loss(r) for r in groups[adamw])
+    compared = [adamw, muon, *(key for key in groups if key[0] not in ("adamw", "muon"))]
     settings = []
-    for name, lr in compared:
-        group = groups[(name, lr)]
+    for key in compared:
+        name, lr, group_lr = key
+        group = groups[key]
         reached = [steps_to_reach(r["eval"], target) for r in group]
         reach = None if None in reached else statistics.fmean(reached)
         if name == "adamw":
@@ -112,6 +123,7 @@ def summarize(rows: Sequence[dict[str, Any]], qk_clip_threshold: float | None) -
             {
                 "setting": name,
                 "lr": lr,
+                "adamw_lr": group_lr,
                 "final": _spread([final_loss(r) for r in group]),
                 "steps_to_target": reach,
                 "steps_ratio": None if reach is None else reach / steps,
@@ -125,8 +137,8 @@ def summarize(rows: Sequence[dict[str, Any]], qk_clip_threshold: float | None) -
     muon_ratio = default["steps_ratio"]
     return {
         "steps": steps,
-        "adamw_lr": adamw_lr,
-        "muon_lr": muon_lr,
+        "adamw": list(adamw),
+        "muon": list(muon),
         "target_loss": target,
         "qk_clip_threshold": qk_clip_threshold,
         "grid": grid,
@@ -149,17 +161,21 @@ def print_lm_tables(summary: dict[str, Any], args) -> None:
     seeds = f"{args.seeds} seed{'s' if args.seeds > 1 else ''}"
     print_table(
         f"held-out loss after {summary['steps']} steps, by lr ({seeds})",
-        ["optimizer", "lr", "final held-out", "best"],
+        ["optimizer", "lr", "AdamW\ngroup lr", "final held-out", "best"],
         [
             [
                 g["setting"],
                 f"{g['lr']:g}",
+                fmt(g["adamw_lr"], "g"),
                 _loss_cell(g),
-                "*" if g["lr"] == summary[f"{g['setting']}_lr"] else "",
+                "*" if g["best"] else "",
             ]
             for g in summary["grid"]
         ],
-        legend=[("final held-out", "nats per byte: mean ± half the range over the seeds")],
+        legend=[
+            ("AdamW group lr", "Muon's AdamW group (embeddings, norms, head)"),
+            ("final held-out", "nats per byte: mean ± half the range over the seeds"),
+        ],
     )
     target = summary["target_loss"]
     rows = []
@@ -177,11 +193,12 @@ def print_lm_tables(summary: dict[str, Any], args) -> None:
             ]
         )
     print_table(
-        f"at the best lrs: steps to AdamW's final held-out loss {target:.4f}",
-        ["setting", "lr", "final held-out", "steps", "x AdamW", "s/step", "in spread"],
+        f"at the best lrs, Muon's AdamW group at {fmt(summary['muon'][2], 'g')}, "
+        f"AdamW's final held-out loss {target:.4f}",
+        ["setting", "lr", "final held-out", "steps", "x AdamW", "s/step", "in\nspread"],
         rows,
         legend=[
-            ("steps", "to reach AdamW's final loss, mean over seeds ('-': a seed never did)"),
+            ("steps", "to reach AdamW's final held-out loss (mean over seeds; '-': not all did)"),
             ("x AdamW", "steps / AdamW's steps (its run length)"),
             ("s/step", "median step time, mean over seeds (a shared CPU: noisy)"),
             ("in spread", "the seeds' range overlaps the default (muon) row's"),
@@ -196,6 +213,11 @@ def print_lm_tables(summary: dict[str, Any], args) -> None:
         f"every engine in the default's spread: "
         f"{'met' if met['engines_within_spread_met'] else 'not met'}"
     )
+
+
+def _label(key: Sequence[Any]) -> str:
+    name, lr, group_lr = key
+    return f"{name} (lr {lr:g}" + ("" if group_lr is None else f", AdamW group {group_lr:g}") + ")"
 
 
 def _curve(
@@ -252,9 +274,9 @@ def _zoom_on_tail(ax, lows: Sequence[float], highs: Sequence[float]) -> None:
 def _plot_optimizers(groups, summary, path: Path) -> Path:
     fig, ax = _new_figure()
     lows, highs = [], []
-    for name, lr in (("adamw", summary["adamw_lr"]), ("muon", summary["muon_lr"])):
-        tokens, mean, low, high = _curve(groups[(name, lr)])
-        (line,) = ax.plot(tokens, mean, marker="o", markersize=3, label=f"{name} (lr {lr:g})")
+    for key in (summary["adamw"], summary["muon"]):
+        tokens, mean, low, high = _curve(groups[tuple(key)])
+        (line,) = ax.plot(tokens, mean, marker="o", markersize=3, label=_label(key))
         ax.fill_between(tokens, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
         lows.append(low)
         highs.append(high)
@@ -273,7 +295,7 @@ def _plot_engines(groups, summary, path: Path) -> Path:
     names = [s["setting"] for s in summary["settings"][1:]]
     lows, highs = [], []
     for index, entry in enumerate(summary["settings"][1:]):
-        tokens, mean, low, high = _curve(groups[(entry["setting"], entry["lr"])])
+        tokens, mean, low, high = _curve(groups[(entry["setting"], entry["lr"], entry["adamw_lr"])])
         # Curves that lie on each other stay told apart by their dashes.
         dashes = ("-", "--", "-.", ":")[index % 4]
         ax.plot(tokens, mean, linewidth=1.2, linestyle=dashes, label=entry["setting"])
@@ -282,7 +304,7 @@ def _plot_engines(groups, summary, path: Path) -> Path:
     _zoom_on_tail(ax, lows, highs)
     _token_axis(ax)
     ax.set_ylabel("held-out loss (nats per byte)")
-    ax.set_title(f"engines at Muon's lr {summary['muon_lr']:g} (mean over seeds)")
+    ax.set_title(f"engines at {_label(summary['muon'])}, mean over seeds", fontsize=10)
     ax.grid(True, alpha=0.3)
     _legend_beside(ax)
     finals = [s["final"] for s in summary["settings"][1:]]
@@ -305,11 +327,8 @@ def _plot_engines(groups, summary, path: Path) -> Path:
 
 def _plot_logits(rows, summary, path: Path) -> Path | None:
     clipped = [r for r in rows if r["setting"] == "qk-clip" and r["seed"] == 0]
-    plain = [
-        r
-        for r in rows
-        if r["setting"] == "muon" and r["lr"] == summary["muon_lr"] and r["seed"] == 0
-    ]
+    default = list(summary["muon"])
+    plain = [r for r in rows if [r["setting"], r["lr"], r["adamw_lr"]] == default and not r["seed"]]
     if not clipped or not plain:
         return None
     fig, ax = _new_figure()
@@ -325,7 +344,7 @@ def _plot_logits(rows, summary, path: Path) -> Path | None:
     ax.axhline(summary["qk_clip_threshold"], color="gray", linestyle=":", label="tau")
     ax.set_xlabel("step")
     ax.set_ylabel("max attention logit (any head, any layer)")
-    ax.set_title(f"max attention logit, seed 0, lr {summary['muon_lr']:g}")
+    ax.set_title(f"max attention logit, seed 0, {_label(summary['muon'])}", fontsize=10)
     ax.grid(True, alpha=0.3)
     _legend_beside(ax)
     return _save(fig, path)

@@ -183,7 +183,8 @@ def print_table(
             parts.append([])
         parts[-1].append(i)
     for line in title_lines(title, console.width):
-        console.print(line, style="italic", markup=False, highlight=False)
+        # soft_wrap: rich itself must not break a phrase longer than the console.
+        console.print(line, style="italic", markup=False, highlight=False, soft_wrap=True)
     for part in parts:
         console.print(_rich_table(columns, rows, [0, *part]))
     print_legend(legend, caption)

@@ -35,18 +35,20 @@ __all__ = ["ANNOUNCE", "run_sequentially", "spawn_runs", "spawn_training"]
 ANNOUNCE = "announce"
 
 
-def run_sequentially(
-    configs: Sequence[TrainConfig], rank: int, world: int, resume_from: str | None = None
-) -> list[TrainResult]:
-    """:func:`.loop.train_on_rank` for each of ``configs`` in turn, each announced."""
+Run = tuple[TrainConfig, "str | None"]
+
+
+def run_sequentially(runs: Sequence[Run], rank: int, world: int) -> list[TrainResult]:
+    """:func:`.loop.train_on_rank` for each ``(config, resume_from)`` of ``runs`` in turn,
+    each announced."""
     began = time.perf_counter()
     results = []
-    for index, config in enumerate(configs):
+    for index, (config, resume_from) in enumerate(runs):
         line = config.extra.get(ANNOUNCE)
         if line and rank == 0:
             minutes, seconds = divmod(int(time.perf_counter() - began), 60)
             print(
-                f"[{index + 1}/{len(configs)}, {minutes}:{seconds:02d}] {line}",
+                f"[{index + 1}/{len(runs)}, {minutes}:{seconds:02d}] {line}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -56,8 +58,7 @@ def run_sequentially(
 
 def _worker(
     rank: int,
-    configs: list[TrainConfig],
-    resume_from: str | None,
+    runs: list[Run],
     world: int,
     port: int,
     result_file: str,
@@ -70,7 +71,7 @@ def _worker(
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        results = run_sequentially(configs, rank, world, resume_from)
+        results = run_sequentially(runs, rank, world)
         if rank == 0:
             payload = [dataclasses.asdict(result) for result in results]
             Path(result_file).write_text(json.dumps(payload))
@@ -110,16 +111,27 @@ def _start_method() -> str:
     return "forkserver"
 
 
-def spawn_runs(configs: Sequence[TrainConfig], resume_from: str | None = None) -> list[TrainResult]:
-    """Run each of ``configs`` (all with the same ``nproc``) on one set of spawned ranks, in
-    turn; rank 0's results.
+def spawn_runs(configs: Sequence[TrainConfig]) -> list[TrainResult]:
+    """Train each of ``configs`` (fresh runs, all with the same ``nproc``) on one set of
+    spawned ranks, in turn; rank 0's results. A resume goes through
+    :func:`shardmuon.train.run.run_training`, which checks the checkpoint first.
 
-    A ``ValueError`` on the ranks (a bad checkpoint, say) is re-raised here with its message;
-    so is :func:`~shardmuon.harness.processes.check_process_count`'s, before any is started.
+    A ``ValueError`` on the ranks is re-raised here with its message; so is
+    :func:`~shardmuon.harness.processes.check_process_count`'s, before any is started.
     """
+    resuming = [c for c in configs if c.resume or c.resume_dion]
+    if resuming:
+        raise ValueError(
+            f"spawn_runs trains from scratch; {resuming[0].resume or resuming[0].resume_dion!r} "
+            "is a resume: run it with run_training, which checks the checkpoint first"
+        )
+    return _spawn([(config, None) for config in configs])
+
+
+def _spawn(runs: Sequence[Run]) -> list[TrainResult]:
     import torch.multiprocessing as mp
 
-    worlds = sorted({config.nproc for config in configs})
+    worlds = sorted({config.nproc for config, _ in runs})
     if len(worlds) != 1:
         raise ValueError(f"spawn_runs takes configs of one nproc, got nproc {worlds}")
     check_process_count(worlds[0])
@@ -128,7 +140,7 @@ def spawn_runs(configs: Sequence[TrainConfig], resume_from: str | None = None) -
         try:
             mp.start_processes(
                 _worker,
-                args=(list(configs), resume_from, worlds[0], free_port(), result_file),
+                args=(list(runs), worlds[0], free_port(), result_file),
                 nprocs=worlds[0],
                 join=True,
                 start_method=_start_method(),
@@ -150,6 +162,7 @@ def _result_from_json(payload: dict) -> TrainResult:
 
 
 def spawn_training(config: TrainConfig, resume_from: str | None) -> TrainResult:
-    """Run :func:`.loop.train_on_rank` on ``config.nproc`` processes; rank 0's result
+    """Run :func:`.loop.train_on_rank` on ``config.nproc`` processes from ``resume_from``
+    (chosen and checked by :func:`~shardmuon.train.run.prepare_resume`); rank 0's result
     (errors as :func:`spawn_runs`)."""
-    return spawn_runs([config], resume_from)[0]
+    return _spawn([(config, resume_from)])[0]
