@@ -124,13 +124,11 @@ class MuonConfig(BaseModel):
         value = _number(info.field_name, value)
         if value is None and info.field_name == "qk_clip_threshold":
             return None
+        setting = info.field_name.removeprefix("qk_clip_")
         try:
-            if info.field_name == "qk_clip_alpha":
-                check_qk_clip_settings(100.0, value)
-            else:
-                check_qk_clip_settings(value, 0.5)
-        except (TypeError, ValueError) as err:  # pydantic reports ValueErrors per field
-            raise ValueError(f"qk_clip_{err}") from None
+            check_qk_clip_settings(**{setting: value}, field_prefix="qk_clip_")
+        except TypeError as err:  # pydantic reports ValueErrors per field
+            raise ValueError(str(err)) from None
         return float(value)
 
     @field_validator("lr", "weight_decay", "epsilon", "mu", "update_rms", mode="before")
