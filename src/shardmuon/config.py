@@ -104,6 +104,8 @@ class MuonConfig(BaseModel):
     split_replicas: bool = False
     rotate_owners: bool = True
     check_grads: Literal["first", "always", "never"] = "first"
+    # "forward": the step behind the next forward (shardmuon.runtime.overlap).
+    overlap: Literal["forward"] | None = None
     # The engine table's names (shardmuon.ops.engines.ENGINES, and "auto").
     newton_schulz_impl: str = "folded"
     newton_schulz_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"

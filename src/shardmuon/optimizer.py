@@ -1,11 +1,10 @@
 """``Muon``: the optimizer class. It plans and dispatches; the math and the step live elsewhere.
 
-The class is the torch.optim facade: settings and their checks, param groups, state,
-checkpoints, the plan (``planning/``: layouts, batches, owners, computed once and rebuilt
-when a planned setting changes), the agreement check between ranks (``runtime/agreement.py``),
-and rounds of ``step_chunk``. A step's work, batch by batch and phase by phase, is in
-``runtime/phases.py`` and ``runtime/pipeline.py``; the all-to-alls in ``runtime/exchange.py``;
-the bytes in flight in ``planning/workspace.py``.
+The torch.optim facade: settings and their checks, param groups, state, checkpoints, the
+plan (``planning/``: computed once, rebuilt when a planned setting changes), the agreement
+check (``runtime/agreement.py``), rounds of ``step_chunk`` (``runtime/rounds.py``), the
+overlapped step (``runtime/overlap.py``). A step's work is in ``runtime/phases.py`` and
+``runtime/pipeline.py``; the all-to-alls in ``runtime/exchange.py``.
 """
 
 from __future__ import annotations
@@ -23,9 +22,7 @@ from shardmuon.ops.orthogonalizer import (
     NS_CHOICES,
     NewtonSchulzSettings,
     live_coefficients,
-    resolve_ns_dtype,
 )
-from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.chunks import Chunk, batch_for_directions, chunk_info
 from shardmuon.planning.placements import local_tensor
 from shardmuon.planning.plan import (
@@ -34,15 +31,23 @@ from shardmuon.planning.plan import (
     build_plan,
     plan_key,
 )
-from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES, ScheduleCache, batch_bytes
+from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES, ScheduleCache
 from shardmuon.runtime.agreement import agreement_groups, check_plan_agreement
 from shardmuon.runtime.calibration import calibrate_plan
 from shardmuon.runtime.exchange import warmup_groups
 from shardmuon.runtime.offload import OFFLOAD_CHOICES, StateStager, stager_for
+from shardmuon.runtime.overlap import (
+    OVERLAP_CHOICES,
+    ForwardOverlap,
+    forward_order,
+    synchronize_all,
+)
 from shardmuon.runtime.phases import StepContext, orthogonalize_directions
 from shardmuon.runtime.pipeline import chunk_progress, run_step, step_one_chunk
 from shardmuon.runtime.rounds import ChunkRounds
 from shardmuon.runtime.state import (
+    COPIED_PRIVATE,
+    SETTINGS_KEY,
     adopt_loaded_counts,
     adopt_loaded_groups,
     advance_step_counters,
@@ -50,6 +55,7 @@ from shardmuon.runtime.state import (
     load_groups_to_host,
     load_hooks_held,
     run_load_pre_hooks,
+    with_settings,
 )
 from shardmuon.runtime.telemetry import StepStats
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
@@ -95,13 +101,11 @@ class Muon(Optimizer):
         workspace_bytes: each rank's budget for the step's transient buffers
             (``planning/workspace.py``; default 512 MiB): batches enter flight while their
             bytes fit, local stacks are cut to fit; a batch larger than the budget runs alone.
-        offload, offload_prefetch: ``"state"`` keeps the state in (pinned) host memory and
-            streams each chunk's state in just before it is needed, ``offload_prefetch``
-            chunks at a time (``runtime/offload.py``); the same update, bit for bit.
+        offload, offload_prefetch: ``"state"``: the state in pinned host memory, each chunk's
+            streamed in ``offload_prefetch`` chunks ahead (``runtime/offload.py``); same bits.
         newton_schulz_impl: the engine (``ops/engines.py``): ``"folded"`` (default),
-            ``"gram"`` (fewer FLOPs on wide matrices, guarded), ``"auto"`` (measured once per
-            shape class), ``"per-matrix"`` (bits independent of the batch), ``"unfolded"``
-            (dion's recipe), ``"compiled"``.
+            ``"gram"`` (fewer FLOPs on wide matrices, guarded), ``"auto"`` (measured per shape
+            class), ``"per-matrix"`` (batch-invariant), ``"unfolded"`` (dion's), ``"compiled"``.
         newton_schulz_dtype, newton_schulz_restarts, newton_schulz_guard: the iteration's
             dtype (bf16 default, fp16, fp32; bf16 results), Gram's restart steps (``None``:
             after 2, then every 3), the divergence guard (``None``: on for Gram; certifies
@@ -112,17 +116,17 @@ class Muon(Optimizer):
         split_replicas: HSDP: one replica orthogonalizes each batch and broadcasts the
             result over the replicate dim, instead of every replica repeating it.
         warmup: run :meth:`warmup` at construction.
-        check_grads: when the group's ranks verify, with one small all-reduce, that they
-            planned the same batches and settings and that a grad is present on all or none:
-            ``"first"`` step and after a plan change (default), ``"always"``, ``"never"``
-            (the plan is still compared once; grads never). A parameter without a grad is
-            skipped on every rank, as in dion.
+        check_grads: when a group's ranks verify (one small all-reduce) that they planned
+            alike and a grad is present on all or none: ``"first"`` step and after a plan
+            change (default), ``"always"``, ``"never"`` (the plan still once; grads never).
+        overlap: ``"forward"``: ``step()`` checks, starts the step in the background and
+            returns; with :meth:`overlap_with`, each module's next forward waits only for
+            its own parameters' chunks (``runtime/overlap.py``). ``None`` (default): not.
 
-    A matrix whose direction holds NaN or inf (a non-finite gradient or momentum) is
-    skipped: its orthogonalized direction is zero (decoupled weight decay still applies),
-    it is counted in ``last_step_stats.nonfinite_matrices``, and every other matrix gets
-    exactly its update. Its momentum keeps the non-finite values: zero it or restore a
-    checkpoint. Huge finite gradients (1e18) are normalised without overflow.
+    A matrix whose direction holds NaN or inf is skipped: its orthogonalized direction is
+    zero (weight decay still applies), it is counted in ``last_step_stats.nonfinite_matrices``
+    and every other matrix gets exactly its update; its momentum keeps the non-finite
+    values (zero it or restore a checkpoint). Huge finite grads (1e18) do not overflow.
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class Muon(Optimizer):
         split_replicas: bool = False,
         warmup: bool = False,
         check_grads: str = "first",
+        overlap: str | None = None,
         world_mesh: Any = None,
         fsdp_mesh_dim: Any = None,
     ) -> None:
@@ -196,6 +201,7 @@ class Muon(Optimizer):
         self._schedule = ScheduleCache()
         self._rounds = ChunkRounds()
         self._state_stager: StateStager | None = None
+        self._overlap = ForwardOverlap()
         # Per group: the count its parameters' ``step`` counters were last given.
         self._counted_steps: dict[int, int] = {}
         self.last_step_stats = StepStats()
@@ -208,9 +214,7 @@ class Muon(Optimizer):
         self.coefficients, self._default_coefficients = live_coefficients(
             self.coefficients, self._default_coefficients, self.newton_schulz_preconditioner
         )
-        check_optimizer_settings(self._settings(), NS_CHOICES, OFFLOAD_CHOICES)
-
-    # ----------------------------------------------------------------- planning
+        check_optimizer_settings(self._settings(), NS_CHOICES, OFFLOAD_CHOICES, OVERLAP_CHOICES)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (validated as in the constructor); the plan is rebuilt.
@@ -218,6 +222,7 @@ class Muon(Optimizer):
         A group that fails validation, or whose parameters cannot be planned, is removed
         again, leaving the optimizer as it was. Refused while a ``step_chunk`` round is open.
         """
+        self.synchronize()
         self._rounds.refuse_while_open("add_param_group")
         given_alias = MOMENTUM_ALIAS in param_group
         super().add_param_group(param_group)
@@ -290,9 +295,7 @@ class Muon(Optimizer):
     def warmup(self) -> None:
         """Run a tiny all-to-all on every group Muon uses: shard and replicate dims."""
         self._ensure_plan()
-        groups = agreement_groups(self._plan.batches)
-        if groups:
-            warmup_groups(groups, self._device())
+        warmup_groups(agreement_groups(self._plan.batches), self._device())
 
     def _device(self) -> torch.device:
         for group in self.param_groups:
@@ -300,42 +303,57 @@ class Muon(Optimizer):
                 return local_tensor(p).device
         return torch.device("cpu")
 
-    # ----------------------------------------------------------------- stepping
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over all chunks, pipelined (``runtime/pipeline.py``). If it
         raises in a check, nothing changed; if later (out of memory, a failed collective),
         counters and momenta have advanced and finished chunks are updated, the rest not:
         restore a checkpoint rather than step again."""
+        synchronize_all()  # this optimizer's last step, and any other's (their groups)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._rounds.check_step(len(self.chunks()))
         schedule = self._begin_round()
-        peak = run_step(self._context(), schedule, self._stager())
-        self.last_step_stats.workspace_peak_bytes = peak
+        ctx, stager = self._context(), self._stager()
+        if self.overlap is None:
+            self.last_step_stats.workspace_peak_bytes = run_step(ctx, schedule, stager)
+            return loss
+        self._overlap.start(ctx, schedule, stager, run_step)
         return loss
 
+    def synchronize(self) -> None:
+        """Wait for this optimizer's overlapped step in flight, if any; raise ``OverlapError``
+        if it failed (restore a checkpoint then, as after any failed step)."""
+        self._overlap.synchronize()
+
+    def overlap_with(self, model: torch.nn.Module) -> list[Any]:
+        """Hooks before the forward of each module of ``model`` that reads parameters of
+        this optimizer (an FSDP2 module ahead of its own all-gather): each waits for the
+        chunks of the step in flight holding those parameters. A parameter read outside
+        the module that holds it must wait for :meth:`synchronize`. Returns the handles."""
+        if self.overlap is None:
+            raise ValueError("overlap_with needs Muon(..., overlap='forward'); overlap is None")
+        return self._overlap.hook(model)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's. ``set_to_none=False`` first waits for an overlapped step in flight (it
+        reads the grads it would zero); the default does not (the step holds its grads)."""
+        if not set_to_none:
+            self.synchronize()
+        super().zero_grad(set_to_none)
+
     def _stager(self) -> StateStager | None:
-        if self.offload == "state":
-            self._state_stager = stager_for(
-                self._state_stager, self._device(), self.offload_prefetch, self.last_step_stats
-            )
-            return self._state_stager
-        return None
+        if self.offload != "state":
+            return None
+        stats, device = self.last_step_stats, self._device()
+        self._state_stager = stager_for(self._state_stager, device, self.offload_prefetch, stats)
+        return self._state_stager
 
     def _newton_schulz(self) -> NewtonSchulzSettings:
         """The live Newton–Schulz settings, resolved (``ops/orthogonalizer.py``)."""
-        return NewtonSchulzSettings(
-            impl=self.newton_schulz_impl,
-            dtype=resolve_ns_dtype(self.newton_schulz_dtype),
-            restarts=resolve_restarts(self.newton_schulz_restarts, len(self.coefficients)),
-            guard=self.newton_schulz_guard,
-            preconditioner=self.newton_schulz_preconditioner,
-            coefficients=tuple(map(tuple, self.coefficients)),
-        )
+        return NewtonSchulzSettings.from_settings(self._settings())
 
     def _calibrate_auto(self) -> None:
         """``"auto"``: measure the candidates on this plan's shape classes, once; every rank
@@ -366,6 +384,7 @@ class Muon(Optimizer):
         that raised after its collectives began breaks the round until ``load_state_dict``
         restores a checkpoint (``runtime/rounds.py``).
         """
+        self.synchronize()
         chunks = self.chunks()
         key = self._rounds.key_of(chunk, chunks)
         if not self._rounds.is_open:
@@ -378,25 +397,18 @@ class Muon(Optimizer):
             lambda progress: step_one_chunk(ctx, chunk, progress, stager, key),
             len(chunks),
         )
-        if isinstance(chunk, MuonBatch):
-            stats = self.last_step_stats
-            stats.workspace_peak_bytes = max(
-                stats.workspace_peak_bytes,
-                sum(vars(batch_bytes(chunk, self._plan.ns_cost)).values()),
-            )
 
     def _begin_round(self) -> list[tuple[str, int]]:
         """Checks first (nothing changes if they raise), then the step counters advance.
         Returns the step's schedule (computed once per plan and budget)."""
         self._ensure_plan()
         check_grads(self.param_groups)
-        # State replaced by the user (a channels_last momentum, say) or ``offload`` changed
-        # since construction: put every state tensor where the step expects it (with
-        # offload: contiguous host memory, which staging views and writes back in place).
+        # State replaced by the user (a channels_last momentum) or offload changed: every
+        # state tensor where the step expects it (offload: contiguous host memory).
         self._init_state()
-        # "never" still compares the plan once (one small all-reduce per group): a rank
-        # configured otherwise would otherwise meet this check with its first all-to-all.
-        schedule = self._schedule.get(self._plan, self.workspace_bytes, self.max_in_flight)
+        # "never" still compares the plan once: a rank configured otherwise would meet the
+        # check with its first all-to-all.
+        schedule = self._step_schedule()
         if self.check_grads == "always" or not self._plan_verified:
             self._check_agreement()
             self._calibrate_auto()
@@ -405,19 +417,19 @@ class Muon(Optimizer):
         self.last_step_stats = StepStats()
         return schedule
 
+    def _step_schedule(self) -> list[tuple[str, int]]:
+        """The schedule (overlapped: the batches in the forward's order)."""
+        order = None if self.overlap is None else forward_order(self._plan.batches)
+        return self._schedule.get(self._plan, self.workspace_bytes, self.max_in_flight, order)
+
     def _check_agreement(self) -> None:
         """Every group's ranks agree on batches, settings and grads (see ``runtime/agreement.py``)."""
         ns = self._newton_schulz()  # one spelling per value: "float32" is torch.float32
-        settings = {
-            **self._settings(AGREED_SETTINGS),
-            "coefficients": ns.coefficients,
-            "newton_schulz_dtype": str(ns.dtype),
-        }
-        schedule = self._schedule.get(self._plan, self.workspace_bytes, self.max_in_flight)
-        check_plan_agreement(
-            self._plan, self.param_groups, settings, self._device(), schedule,
-            compare_grads=self.check_grads != "never",
-        )  # fmt: skip
+        settings = {**self._settings(AGREED_SETTINGS), "coefficients": ns.coefficients}
+        settings["newton_schulz_dtype"] = str(ns.dtype)
+        compare_grads = self.check_grads != "never"
+        ops, device = self._step_schedule(), self._device()
+        check_plan_agreement(self._plan, self.param_groups, settings, device, ops, compare_grads)
 
     @torch.no_grad()
     def orthogonalize_chunk(
@@ -434,8 +446,6 @@ class Muon(Optimizer):
         batch, indices = batch_for_directions(self._plan, self.param_groups, params, U, first_owner)
         return orthogonalize_directions(self._context(), batch, indices, U)
 
-    # ----------------------------------------------------------- checkpoints
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a shardmuon or dion state dict (either fork's), all or nothing: the whole
         dict is validated first (``state_dict_checks.py``: groups, settings, every state
@@ -445,6 +455,7 @@ class Muon(Optimizer):
         microsoft/dion's ``split_sizes``/``num_heads`` become partitions, its
         ``cautious_wd=True`` is refused. Loaded group settings take effect.
         """
+        self._overlap.discard()  # a failed overlapped step is what a restore undoes
         state_dict = run_load_pre_hooks(self, state_dict)
         merged = checked_groups(state_dict, self.param_groups, self._make_plan)
         if self._state_stager is not None:
@@ -466,33 +477,24 @@ class Muon(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict (dion's keys); with offload, the host state as it is (no copy
         to the device), after any store still in flight has landed."""
+        self.synchronize()
         if self._state_stager is not None:
             self._state_stager.wait_host()
         adopt_loaded_counts(self.param_groups, self.state, self._counted_steps)
         return super().state_dict()
 
-    # ----------------------------------------------------------------- copies
-
     def __getstate__(self) -> dict[str, Any]:
         """torch keeps defaults, state and groups; the optimizer-wide settings come too."""
+        self.synchronize()
         adopt_loaded_counts(self.param_groups, self.state, self._counted_steps)
-        state = super().__getstate__()
-        state["_shardmuon_settings"] = {
-            **self._settings(),
-            "_raw_partitions": self._raw_partitions,
-            # The same object as ``coefficients`` while they are the default (deepcopy and
-            # pickle keep the identity), so the default still follows the preconditioner.
-            "_default_coefficients": self._default_coefficients,
-        }
-        return state
+        return with_settings(super().__getstate__(), self._settings(), COPIED_PRIVATE, self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore settings and rebuild the plan (torch's ``load_state_dict`` calls this
         with only ``state`` and ``param_groups``: then settings and plan stay)."""
-        settings = state.pop("_shardmuon_settings", None)
+        settings = state.pop(SETTINGS_KEY, None)
         super().__setstate__(state)
-        if settings is None:
-            return
-        self.__dict__.update(settings)
-        self._reset_runtime()
-        self._ensure_plan()
+        if settings is not None:
+            self.__dict__.update({"overlap": None, **settings})  # copies made before overlap
+            self._reset_runtime()
+            self._ensure_plan()

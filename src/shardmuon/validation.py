@@ -222,6 +222,7 @@ OPTIMIZER_SETTINGS = (
     "rotate_owners",
     "split_replicas",
     "check_grads",
+    "overlap",
 )
 # Those the ranks of a group must share: offload only moves where a rank keeps its state.
 AGREED_SETTINGS = tuple(name for name in OPTIMIZER_SETTINGS if not name.startswith("offload"))
@@ -242,7 +243,10 @@ def _check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
 
 
 def check_optimizer_settings(
-    settings: Mapping[str, Any], ns_impls: Sequence[str], offload_choices: Sequence[Any]
+    settings: Mapping[str, Any],
+    ns_impls: Sequence[str],
+    offload_choices: Sequence[Any],
+    overlap_choices: Sequence[Any] = (None,),
 ) -> None:
     """The values of :data:`OPTIMIZER_SETTINGS` (``coefficients`` is checked where it is
     resolved); raises naming the setting, the value and what is accepted."""
@@ -261,6 +265,7 @@ def check_optimizer_settings(
     _check_choice("newton_schulz_impl", settings["newton_schulz_impl"], ns_impls)
     check_engine_settings(settings, len(settings["coefficients"]))
     _check_choice("check_grads", settings["check_grads"], CHECK_GRADS_CHOICES)
+    _check_choice("overlap", settings.get("overlap"), overlap_choices)
     for name in ("rotate_owners", "split_replicas"):
         if not isinstance(settings[name], bool):
             raise TypeError(f"{name} must be True or False, got {settings[name]!r}")

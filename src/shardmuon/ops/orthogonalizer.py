@@ -23,6 +23,7 @@ from shardmuon.ops.engines import (
     effective_restarts,
     engines_of,
     resolve_ns_dtype,
+    resolve_restarts,
 )
 from shardmuon.ops.newton_schulz import Coefficients, resolve_coefficients
 from shardmuon.ops.newton_schulz_guard import GuardVerdict, guarded
@@ -209,6 +210,19 @@ class NewtonSchulzSettings:
     guard: bool | None
     preconditioner: str | None
     coefficients: Coefficients
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> NewtonSchulzSettings:
+        """Resolved from an optimizer's ``newton_schulz_*`` settings and ``coefficients``."""
+        coefficients = tuple(map(tuple, settings["coefficients"]))
+        return cls(
+            impl=settings["newton_schulz_impl"],
+            dtype=resolve_ns_dtype(settings["newton_schulz_dtype"]),
+            restarts=resolve_restarts(settings["newton_schulz_restarts"], len(coefficients)),
+            guard=settings["newton_schulz_guard"],
+            preconditioner=settings["newton_schulz_preconditioner"],
+            coefficients=coefficients,
+        )
 
     def orthogonalizer(
         self, choices: dict[tuple[int, int], str] | None = None, impl: str | None = None

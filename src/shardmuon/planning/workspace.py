@@ -267,9 +267,18 @@ class ScheduleCache:
         self._source: tuple | None = None
         self._ops: list[tuple[str, int]] = []
 
-    def get(self, plan, budget: int, max_in_flight: int) -> list[tuple[str, int]]:
-        source = (id(plan), budget, max_in_flight)
+    def get(
+        self, plan, budget: int, max_in_flight: int, order: Sequence[int] | None = None
+    ) -> list[tuple[str, int]]:
+        """The schedule of ``plan``'s batches taken in ``order`` (a permutation of their
+        indices; ``None``: as planned), in the plan's batch indices."""
+        source = (id(plan), budget, max_in_flight, None if order is None else tuple(order))
         if source != self._source:
-            self._ops = step_schedule(plan.batches, budget, max_in_flight, plan.ns_cost)
+            if order is None:
+                self._ops = step_schedule(plan.batches, budget, max_in_flight, plan.ns_cost)
+            else:
+                batches = [plan.batches[i] for i in order]
+                ops = step_schedule(batches, budget, max_in_flight, plan.ns_cost)
+                self._ops = [(phase, order[i]) for phase, i in ops]
             self._source = source
         return self._ops

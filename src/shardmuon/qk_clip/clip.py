@@ -39,6 +39,7 @@ from shardmuon.qk_clip.recording import (
 )
 from shardmuon.qk_clip.settings import check_qk_clip_settings
 from shardmuon.qk_clip.shards import check_scalable, scale_rows_, scale_whole_
+from shardmuon.runtime.overlap import synchronize_all
 
 __all__ = ["LayerClipStats", "QKClip", "QKClipStats", "check_qk_clip_settings"]
 
@@ -319,6 +320,7 @@ class QKClip:
         record-only clip (``threshold=None``) never scales and counts none. Raises on
         every rank alike when no forward pass was recorded, when a layer recorded nothing
         while others did, or when a max logit is not finite."""
+        synchronize_all()  # an overlapped optimizer step still writing the weights
         self._check_implementations()
         device = self._device()
         parts = []

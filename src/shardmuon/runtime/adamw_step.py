@@ -29,7 +29,7 @@ class AdamWProgress:
 
 def adamw_params(ctx: StepContext, chunk: AdamWChunk) -> list[Tensor]:
     """The parameters of an AdamW chunk that have grads (the ones it steps)."""
-    return [p for p in ctx.param_groups[chunk.group_index]["params"] if p.grad is not None]
+    return [p for p in ctx.param_groups[chunk.group_index]["params"] if ctx.grad(p) is not None]
 
 
 def adamw_state_views(ctx: StepContext, chunk: AdamWChunk) -> list[Tensor]:
@@ -59,7 +59,7 @@ def step_adamw(
 
     adamw_update_(
         [local_tensor(p) for p in params],
-        [local_tensor(p.grad) for p in params],
+        [local_tensor(ctx.grad(p)) for p in params],
         momenta,
         variances,
         lr=setting_float(group["lr"]),

@@ -45,6 +45,8 @@ class BatchExchange:
     layout: MatrixLayout
     owners: tuple[int, ...]
     stats: StepStats
+    # The group the all-to-alls run on (the overlapped step's own); None: the layout's.
+    process_group: dist.ProcessGroup | None = None
     _work: dist.Work | None = field(default=None, repr=False)
     _recv: Tensor | None = field(default=None, repr=False)
     _device: torch.device | None = field(default=None, repr=False)
@@ -103,7 +105,7 @@ class BatchExchange:
             send,
             output_split_sizes=recv_splits,
             input_split_sizes=send_splits,
-            group=self.group.process_group,
+            group=self.group.process_group if self.process_group is None else self.process_group,
             async_op=True,
         )
         self.stats.add_traffic(send_splits, recv_splits, self.group.rank_index)

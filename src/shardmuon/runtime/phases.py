@@ -30,6 +30,7 @@ from shardmuon.ops.orthogonalizer import Orthogonalizer
 from shardmuon.ops.partitions import orthogonalize_blocks
 from shardmuon.ops.update import direction, momentum_update_, weight_update_
 from shardmuon.planning.batches import MuonBatch, Segment
+from shardmuon.planning.groups import ShardGroup
 from shardmuon.planning.placements import local_tensor
 from shardmuon.planning.plan import Plan, setting_float
 from shardmuon.runtime.exchange import BatchExchange
@@ -73,6 +74,12 @@ class StepContext:
     device: torch.device
     workspace_bytes: int
     hyperparams: list[GroupHyperparams] = field(default_factory=list)
+    # The overlapped step's own process groups, by sorted global ranks (runtime/overlap.py);
+    # empty: the mesh's groups.
+    step_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    # The grads as the step began, by ``id`` of the parameter (the overlapped step: the
+    # caller may set ``p.grad = None`` meanwhile); None: read ``p.grad``.
+    grads: dict[int, Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.hyperparams = [
@@ -84,6 +91,14 @@ class StepContext:
             )
             for g in self.param_groups
         ]
+
+    def grad(self, param: Tensor) -> Tensor | None:
+        """``param``'s grad for this step."""
+        return param.grad if self.grads is None else self.grads.get(id(param))
+
+    def process_group(self, group: ShardGroup) -> dist.ProcessGroup:
+        """The process group the step's collectives over ``group``'s ranks run on."""
+        return self.step_groups.get(tuple(sorted(group.ranks)), group.process_group)
 
     def hyperparams_of(self, param_index: int) -> GroupHyperparams:
         return self.hyperparams[self.plan.group_of[param_index]]
@@ -167,7 +182,7 @@ class BatchRun:
 def new_run(ctx: StepContext, batch: MuonBatch) -> BatchRun:
     """A batch about to be prepared: the segments that have grads on this rank."""
     params = ctx.plan.params
-    segments = [s for s in batch.segments if params[s.param_index].grad is not None]
+    segments = [s for s in batch.segments if ctx.grad(params[s.param_index]) is not None]
     replicas = batch.layout.replicas
     from_replica = batch.replica is not None and batch.replica != replicas.mesh_index
     return BatchRun(batch, segments, receives_from_replica=from_replica)
@@ -204,7 +219,7 @@ def _update_momentum(ctx: StepContext, run: BatchRun) -> None:
     for k in range(run.momentum_done, len(run.segments)):
         seg = run.segments[k]
         momentum, commit = _segment_momentum(ctx, run, k)
-        grad = ctx.matrices(seg.param_index, plan.params[seg.param_index].grad)
+        grad = ctx.matrices(seg.param_index, ctx.grad(plan.params[seg.param_index]))
         momentum_update_(
             momentum, grad[seg.start : seg.stop], ctx.hyperparams_of(seg.param_index).mu
         )
@@ -229,7 +244,7 @@ def update_all_momenta(ctx: StepContext, runs: list[BatchRun]) -> None:
             # fp32 only: on bf16, _foreach_mul_ rounds differently from mul_ (tested).
             if commit is not _nothing or momentum.dtype != torch.float32:
                 break
-            grad = ctx.matrices(seg.param_index, p.grad)[seg.start : seg.stop]
+            grad = ctx.matrices(seg.param_index, ctx.grad(p))[seg.start : seg.stop]
             pairs.append(
                 (ctx.hyperparams_of(seg.param_index).mu, momentum[seg.start : seg.stop], grad)
             )
@@ -256,7 +271,7 @@ def write_directions(ctx: StepContext, run: BatchRun, out: Tensor) -> None:
         momentum = _segment_momentum(ctx, run, k)[0]
         target = out[offset : offset + seg.count]
         if hyper.nesterov:
-            grad = ctx.matrices(seg.param_index, p.grad)[seg.start : seg.stop]
+            grad = ctx.matrices(seg.param_index, ctx.grad(p))[seg.start : seg.stop]
             target.copy_(direction(momentum, grad, hyper.mu, True))
         else:
             target.copy_(momentum)
@@ -285,7 +300,8 @@ def start_gather(ctx: StepContext, run: BatchRun) -> None:
     if not run.batch.layout.exchanged:
         return
     owners = _active_owners(run.batch, run.segments)
-    run.exchange = BatchExchange(run.batch.layout, owners, ctx.stats)
+    layout = run.batch.layout
+    run.exchange = BatchExchange(layout, owners, ctx.stats, ctx.process_group(layout.group))
     ctx.stats.bytes_minimum += run.exchange.minimum_bytes()
     run.communicated = True
     run.exchange.start_gather(run.buffer)
@@ -361,7 +377,7 @@ def share_with_replicas(ctx: StepContext, run: BatchRun, results: Tensor | None)
         return buffer
     run.communicated = True
     src = replicas.global_rank_at(run.batch.replica)
-    dist.broadcast(buffer, src=src, group=replicas.process_group)
+    dist.broadcast(buffer, src=src, group=ctx.process_group(replicas))
     nbytes = buffer.numel() * buffer.element_size()
     if run.receives_from_replica:
         ctx.stats.replica_bytes_received += nbytes

@@ -40,7 +40,10 @@ __all__ = ["chunk_progress", "run_step", "step_one_chunk"]
 
 
 def run_step(
-    ctx: StepContext, schedule: list[tuple[str, int]], stager: StateStager | None = None
+    ctx: StepContext,
+    schedule: list[tuple[str, int]],
+    stager: StateStager | None = None,
+    done: Callable[[tuple[str, int]], None] | None = None,
 ) -> int:
     """Every batch and AdamW chunk of the plan, pipelined in the order of ``schedule``
     (:func:`shardmuon.planning.workspace.step_schedule` of the plan, for the budget
@@ -48,7 +51,9 @@ def run_step(
 
     AdamW runs once the first batch's gather is under way (it overlaps that traffic). With
     a ``stager`` (offload), each batch's momentum and each AdamW chunk's state is loaded
-    ``stager.prefetch`` chunks ahead of its use and stored right after it.
+    ``stager.prefetch`` chunks ahead of its use and stored right after it. ``done`` is
+    called with ``("batch", i)`` or ``("adamw", k)`` once that chunk's parameters are
+    updated (the overlapped step's waits, :mod:`shardmuon.runtime.overlap`).
     """
     plan = ctx.plan
     sizes = [batch_bytes(b, plan.ns_cost) for b in plan.batches]
@@ -70,6 +75,8 @@ def run_step(
                 step_adamw(ctx, plan.adamw[i], staged=staged)
                 if staging:
                     staging.release()
+                if done is not None:
+                    done(("adamw", i))
                 continue
             if phase == "prepare":
                 if staging:
@@ -84,6 +91,8 @@ def run_step(
             else:
                 finish(ctx, runs.pop(i))
                 held -= sizes[i].held
+                if done is not None:
+                    done(("batch", i))
             peak = max(peak, held + sizes[i].peak)
     finally:
         if stager is not None:
@@ -165,3 +174,7 @@ def step_one_chunk(
             progress.momenta = None
         if stager is not None:
             stager.store_all()
+    if isinstance(chunk, MuonBatch):
+        stats = ctx.stats
+        bound = sum(vars(batch_bytes(chunk, ctx.plan.ns_cost)).values())
+        stats.workspace_peak_bytes = max(stats.workspace_peak_bytes, bound)

@@ -238,3 +238,19 @@ def load_groups_to_host(
     saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     optimizer.state.update(host_state_entries(state_dict["state"], saved_ids, params))
+
+
+# Where ``Muon.__getstate__`` puts the optimizer-wide settings, and the private attributes
+# a copy keeps with them.
+SETTINGS_KEY = "_shardmuon_settings"
+# ``_default_coefficients`` is the same object as ``coefficients`` while they are the
+# default (deepcopy and pickle keep the identity), so the default follows the preconditioner.
+COPIED_PRIVATE = ("_raw_partitions", "_default_coefficients")
+
+
+def with_settings(
+    state: dict[str, Any], settings: dict[str, Any], private: Iterable[str], owner: object
+) -> dict[str, Any]:
+    """torch's ``__getstate__`` dict plus the settings and ``owner``'s ``private`` attributes."""
+    state[SETTINGS_KEY] = {**settings, **{name: getattr(owner, name) for name in private}}
+    return state

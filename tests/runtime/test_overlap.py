@@ -1,0 +1,234 @@
+"""``Muon(overlap="forward")`` in one process (issue #32; the gloo worlds are in
+``test_overlap_distributed.py``): every step bitwise the sequential step's, with gradient
+clipping, accumulation and random delays in the background; each layer's forward waits for
+its own chunks only; everything that reads parameters, grads or state waits; a failure in
+the background is raised at the next wait, and a restore recovers."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import shardmuon.runtime.overlap as overlap_module
+from shardmuon import Muon
+from shardmuon.runtime.overlap import OverlapError, forward_order
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WIDTH = 24
+
+
+def _model(layers: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)]
+    return nn.Sequential(nn.Linear(8, WIDTH), *blocks, nn.Linear(WIDTH, 3))
+
+
+def _optimizer(model: nn.Module, **kwargs) -> Muon:
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    return Muon(
+        [dict(params=matrices), dict(params=others, algorithm="adamw")],
+        lr=0.02, weight_decay=0.01, nesterov=True, **kwargs,
+    )  # fmt: skip
+
+
+def _train(model, opt, steps, seed: int = 0, zero_to_none: bool = True) -> list[float]:
+    """``steps`` steps; even steps accumulate two micro-batches, every step clips."""
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for step in range(steps):
+        for _ in range(2 if step % 2 == 0 else 1):
+            x = torch.randn(6, 8, generator=generator)
+            loss = model(x).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+        opt.step()
+        opt.zero_grad(set_to_none=zero_to_none)
+    return losses
+
+
+def _assert_same(model_a, opt_a, model_b, opt_b) -> None:
+    for k, (p, q) in enumerate(zip(model_a.parameters(), model_b.parameters())):
+        assert torch.equal(p, q), f"param {k}"
+        for key, value in opt_a.state[p].items():
+            other = opt_b.state[q][key]
+            same = torch.equal(value, other) if torch.is_tensor(value) else value == other
+            assert same, f"param {k} state {key}"
+
+
+@pytest.fixture
+def random_delays(monkeypatch):
+    """Sleep 0-3 ms in the background before each chunk is marked done (the worker waits
+    too): the forward and the worker interleave differently every run."""
+    mark = overlap_module.OverlappedStep._mark
+    rng = random.Random(7)
+
+    def delayed(self, key):
+        time.sleep(rng.random() * 0.003)
+        mark(self, key)
+
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", delayed)
+
+
+@pytest.mark.parametrize("zero_to_none", [True, False])
+def test_twenty_steps_are_bitwise_the_sequential_ones(random_delays, zero_to_none):
+    plain, overlapped = _model(), _model()
+    a, b = _optimizer(plain), _optimizer(overlapped, overlap="forward")
+    handles = b.overlap_with(overlapped)
+    assert len(handles) == len([m for m in overlapped.modules() if list(m.parameters(False))])
+    losses_a = _train(plain, a, 20, zero_to_none=zero_to_none)
+    losses_b = _train(overlapped, b, 20, zero_to_none=zero_to_none)
+    assert losses_a == losses_b  # each forward saw the updated weights
+    b.synchronize()
+    _assert_same(plain, a, overlapped, b)
+
+
+def test_step_returns_before_the_step_is_done_and_each_layer_waits_for_its_own(monkeypatch):
+    model = _model(layers=6)
+    opt = _optimizer(model, overlap="forward")
+    opt.overlap_with(model)
+    release = threading.Event()
+    mark = overlap_module.OverlappedStep._mark
+    last = ("batch", max(i for _, i in opt._step_schedule()))
+
+    def hold_the_last(self, key):
+        if key == last:
+            release.wait(10)
+        mark(self, key)
+
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", hold_the_last)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    pending = opt._overlap.pending
+    assert pending is not None and not pending.finished  # the caller was not held
+    # The first layer's chunk is done before the last one's: its wait returns at once.
+    first_param = next(model.parameters())
+    opt._overlap.wait_for_params([id(first_param)])
+    assert not pending.finished
+    release.set()
+    opt.synchronize()
+    assert pending.finished
+
+
+def test_the_schedule_takes_the_batches_in_parameter_order():
+    model = _model(layers=5)
+    opt = _optimizer(model, overlap="forward")
+    batches = opt._plan.batches
+    order = forward_order(batches)
+    firsts = [min(s.param_index for s in batches[i].segments) for i in order]
+    assert firsts == sorted(firsts)
+    prepares = [i for phase, i in opt._step_schedule() if phase == "prepare"]
+    assert prepares == order
+
+
+@pytest.mark.parametrize("reader", ["state_dict", "zero_grad", "step_chunk", "qk_clip", "copy"])
+def test_everything_that_reads_the_step_waits_for_it(monkeypatch, reader):
+    model = _model()
+    opt = _optimizer(model, overlap="forward")
+    reference_model = _model()
+    reference = _optimizer(reference_model)
+    mark = overlap_module.OverlappedStep._mark
+
+    def slow(self, key):
+        time.sleep(0.01)
+        mark(self, key)
+
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", slow)
+    for m in (model, reference_model):
+        m(torch.ones(2, 8)).sum().backward()
+    reference.step()
+    opt.step()
+    pending = opt._overlap.pending
+    if reader == "state_dict":
+        saved = opt.state_dict()
+        assert pending.finished
+        assert saved["state"].keys() == reference.state_dict()["state"].keys()
+    elif reader == "zero_grad":
+        opt.zero_grad(set_to_none=False)
+        assert pending.finished
+    elif reader == "step_chunk":
+        opt.step_chunk(opt.chunks()[0])
+        assert pending.finished
+    elif reader == "qk_clip":
+        overlap_module.synchronize_all()  # what QKClip.apply calls first
+        assert pending.finished
+    else:
+        import copy
+
+        copy.deepcopy(opt)
+        assert pending.finished
+    if reader != "step_chunk":
+        _assert_same(reference_model, reference, model, opt)
+
+
+def test_a_failure_in_the_background_is_raised_at_the_next_wait_and_a_restore_recovers(
+    monkeypatch,
+):
+    model, reference_model = _model(), _model()
+    opt = _optimizer(model, overlap="forward")
+    reference = _optimizer(reference_model)
+    opt.overlap_with(model)
+    _train(model, opt, 2)
+    _train(reference_model, reference, 2)
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    import copy
+
+    saved_opt = copy.deepcopy(opt.state_dict())
+    mark = overlap_module.OverlappedStep._mark
+
+    def fail_on_second(self, key):
+        if key == ("batch", 1):
+            raise RuntimeError("injected failure in batch 1")
+        mark(self, key)
+
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", fail_on_second)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()  # returns: the failure is in the background
+    with pytest.raises(OverlapError, match="RuntimeError: injected failure in batch 1"):
+        model(torch.ones(2, 8))  # some layer's wait meets it
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", mark)
+    # A restore recovers: the same steps as the uninterrupted reference from there.
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    opt.zero_grad()  # the failed step's grads
+    _train(model, opt, 2, seed=5)
+    _train(reference_model, reference, 2, seed=5)
+    opt.synchronize()
+    _assert_same(reference_model, reference, model, opt)
+
+
+def test_a_refused_step_raises_in_the_caller_and_starts_nothing():
+    model, reference_model = _model(), _model()
+    opt, reference = _optimizer(model, overlap="forward"), _optimizer(reference_model)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.workspace_bytes = -1  # public settings are checked before each step
+    with pytest.raises(ValueError, match="workspace_bytes must be an int > 0"):
+        opt.step()
+    assert opt._overlap.pending is None
+    opt.workspace_bytes = reference.workspace_bytes
+    reference_model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    reference.step()
+    opt.synchronize()
+    _assert_same(reference_model, reference, model, opt)
+
+
+@pytest.mark.parametrize("bad", ["backward", True, 1])
+def test_a_bad_overlap_is_refused_naming_what_is_accepted(bad):
+    with pytest.raises(ValueError, match=r"unknown overlap .*; accepted: None, 'forward'"):
+        _optimizer(_model(), overlap=bad)
+
+
+def test_overlap_with_needs_overlap():
+    model = _model()
+    with pytest.raises(ValueError, match="overlap_with needs Muon"):
+        _optimizer(model).overlap_with(model)

@@ -1,0 +1,251 @@
+"""``Muon(overlap="forward")`` on gloo worlds (run by ``tests/runtime/test_overlap_distributed.py``):
+bitwise the sequential distributed step, step after step, on every layout (DTensor
+placements: rows, columns, two-dimensional shards, expert stacks, HSDP with
+``split_replicas``; real models: FSDP2 per layer, HSDP, DDP), under random per-rank delays
+in the background, with gradient clipping and accumulation; a failure in the background on
+every rank raises the same message on every rank and a restore recovers."""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from dist_checks import S0, S1, Context, Spec, make_context, make_optimizer, place, random_tensors
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+
+import shardmuon.runtime.overlap as overlap_module
+from shardmuon import Muon
+from shardmuon.planning.placements import local_tensor
+from shardmuon.runtime.overlap import OverlapError
+
+__all__ = ["CASES", "make_context"]
+
+R = Replicate()
+STEPS = 20
+
+
+class _Delays:
+    """Sleep 0-2 ms before each chunk is marked done, from a per-rank seed: the ranks'
+    workers and forwards interleave differently (collectives must still pair up)."""
+
+    def __init__(self, rank: int, fail_at: tuple[str, int] | None = None) -> None:
+        self.rng = random.Random(1000 + rank)
+        self.fail_at = fail_at
+        self.mark = overlap_module.OverlappedStep._mark
+
+    def __enter__(self):
+        delays = self
+
+        def delayed(step, key):
+            time.sleep(delays.rng.random() * 0.002)
+            if key == delays.fail_at:
+                raise RuntimeError(f"injected failure at {key}")
+            delays.mark(step, key)
+
+        overlap_module.OverlappedStep._mark = delayed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        overlap_module.OverlappedStep._mark = self.mark
+
+
+def _same_locals(label: str, pairs) -> None:
+    for k, (a, b) in enumerate(pairs):
+        assert torch.equal(local_tensor(a), local_tensor(b)), f"{label}: tensor {k}"
+
+
+def _assert_same_optimizers(a: Muon, b: Muon, params_a, params_b) -> None:
+    _same_locals("params", zip(params_a, params_b))
+    for k, (p, q) in enumerate(zip(params_a, params_b)):
+        for key, value in a.state[p].items():
+            other = b.state[q][key]
+            if torch.is_tensor(value):
+                assert torch.equal(local_tensor(value), local_tensor(other)), f"{k} {key}"
+
+
+# ------------------------------------------------------------ placements, no model
+
+SPEC_SETS: dict[str, list[Spec]] = {
+    "rows_and_columns": [
+        *[Spec((40, 24), (S0,))] * 3,
+        Spec((30, 16), (S0,)),
+        Spec((24, 36), (S1,)),
+        Spec((4, 16, 24), (S0,)),  # an expert stack: local matrices
+        Spec((24,), (S0,), algorithm="adamw"),
+        Spec((16, 16)),  # replicated
+    ],
+    "two_dimensional": [
+        Spec((32, 24), (S0, S1), mesh="2d"),
+        Spec((24, 40), (R, S0), mesh="2d"),  # HSDP
+        Spec((4, 16, 24), (S0, S1), mesh="2d"),  # experts over one dim, rows over the other
+        Spec((40,), (R, S0), mesh="2d", algorithm="adamw"),
+    ],
+}
+
+
+def _specs_bitwise(ctx: Context, specs: list[Spec], **kwargs) -> None:
+    init = random_tensors([s.shape for s in specs], seed=3)
+    plain = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
+    overlapped = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
+    settings = {"lr": 0.02, "weight_decay": 0.1, "nesterov": True, **kwargs}
+    a = make_optimizer(plain, specs, **settings)
+    b = make_optimizer(overlapped, specs, overlap="forward", **settings)
+    with _Delays(ctx.rank):
+        for step in range(STEPS):
+            grads = random_tensors([s.shape for s in specs], 100 + step)
+            # New grads while the last step may still run: it holds the grads it began with.
+            for spec, p, q, g in zip(specs, plain, overlapped, grads):
+                p.grad = place(ctx, spec, g)
+                q.grad = place(ctx, spec, g)
+            a.step()
+            b.step()
+    b.synchronize()
+    _assert_same_optimizers(a, b, plain, overlapped)
+
+
+def placements_bitwise(ctx: Context) -> None:
+    _specs_bitwise(ctx, SPEC_SETS["rows_and_columns"])
+
+
+def placements_bitwise_offloaded(ctx: Context) -> None:
+    _specs_bitwise(ctx, SPEC_SETS["rows_and_columns"], offload="state", max_in_flight=1)
+
+
+def two_dimensional_bitwise(ctx: Context) -> None:
+    _specs_bitwise(ctx, SPEC_SETS["two_dimensional"])
+
+
+def two_dimensional_split_replicas_bitwise(ctx: Context) -> None:
+    _specs_bitwise(ctx, SPEC_SETS["two_dimensional"], split_replicas=True)
+
+
+# ------------------------------------------------------------ real models
+
+
+def _layers(width: int = 24, depth: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width)) for _ in range(depth)]
+    return nn.Sequential(nn.Linear(8, width), *blocks, nn.Linear(width, 4))
+
+
+def _optimizer(model: nn.Module, **kwargs) -> Muon:
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    return Muon(
+        [dict(params=matrices), dict(params=others, algorithm="adamw")],
+        lr=0.02, weight_decay=0.1, nesterov=True, **kwargs,
+    )  # fmt: skip
+
+
+def _train(ctx: Context, model: nn.Module, opt: Muon, steps: range) -> list[float]:
+    """Even steps accumulate two micro-batches; every step clips the grad norm to 0.5."""
+    losses = []
+    for step in steps:
+        for micro in range(2 if step % 2 == 0 else 1):
+            generator = torch.Generator().manual_seed(10_000 * step + 100 * micro + ctx.rank)
+            loss = model(torch.randn(6, 8, generator=generator)).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _models_bitwise(ctx: Context, wrap: Callable[[nn.Module], nn.Module], **kwargs) -> None:
+    plain, overlapped = wrap(_layers()), wrap(_layers())
+    a = _optimizer(plain, **kwargs)
+    b = _optimizer(overlapped, overlap="forward", **kwargs)
+    b.overlap_with(overlapped)
+    losses_a = _train(ctx, plain, a, range(STEPS))
+    with _Delays(ctx.rank):
+        losses_b = _train(ctx, overlapped, b, range(STEPS))
+    assert losses_a == losses_b  # every forward saw the updated weights
+    b.synchronize()
+    _assert_same_optimizers(a, b, list(plain.parameters()), list(overlapped.parameters()))
+
+
+def _fully_shard(mesh) -> Callable[[nn.Module], nn.Module]:
+    def wrap(model: nn.Module) -> nn.Module:
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    return wrap
+
+
+def fsdp2_model_bitwise(ctx: Context) -> None:
+    _models_bitwise(ctx, _fully_shard(ctx.mesh))
+
+
+def hsdp_model_split_replicas_bitwise(ctx: Context) -> None:
+    _models_bitwise(ctx, _fully_shard(ctx.mesh_2d), split_replicas=True)
+
+
+def ddp_model_bitwise(ctx: Context) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    _models_bitwise(ctx, DistributedDataParallel)
+
+
+# ------------------------------------------------------------ faults
+
+
+def a_failure_on_every_rank_raises_alike_and_a_restore_recovers(ctx: Context) -> None:
+    wrap = _fully_shard(ctx.mesh)
+    model, reference_model = wrap(_layers()), wrap(_layers())
+    opt, reference = _optimizer(model, overlap="forward"), _optimizer(reference_model)
+    opt.overlap_with(model)
+    _train(ctx, model, opt, range(2))
+    _train(ctx, reference_model, reference, range(2))
+    opt.synchronize()
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    message = None
+    with _Delays(ctx.rank, fail_at=("batch", 1)):
+        try:
+            _train(ctx, model, opt, range(2, 4))
+        except OverlapError as err:
+            message = str(err)
+    assert message is not None and "injected failure at ('batch', 1)" in message
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, message)
+    assert len(set(gathered)) == 1, gathered  # the same message on every rank
+    opt.zero_grad()
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    _train(ctx, model, opt, range(2, 5))
+    _train(ctx, reference_model, reference, range(2, 5))
+    opt.synchronize()
+    _assert_same_optimizers(
+        reference, opt, list(reference_model.parameters()), list(model.parameters())
+    )
+
+
+CASES_BY_WORLD: dict[int, dict[str, Callable[[Context], None]]] = {
+    2: {
+        "placements_bitwise": placements_bitwise,
+        "placements_bitwise_offloaded": placements_bitwise_offloaded,
+        "fsdp2_model_bitwise": fsdp2_model_bitwise,
+        "ddp_model_bitwise": ddp_model_bitwise,
+        "a_failure_on_every_rank_raises_alike_and_a_restore_recovers": (
+            a_failure_on_every_rank_raises_alike_and_a_restore_recovers
+        ),
+    },
+    4: {
+        "placements_bitwise": placements_bitwise,
+        "two_dimensional_bitwise": two_dimensional_bitwise,
+        "two_dimensional_split_replicas_bitwise": two_dimensional_split_replicas_bitwise,
+        "fsdp2_model_bitwise": fsdp2_model_bitwise,
+        "hsdp_model_split_replicas_bitwise": hsdp_model_split_replicas_bitwise,
+    },
+}
+CASES: dict[str, Callable[[Context], None]] = {
+    name: case for cases in CASES_BY_WORLD.values() for name, case in cases.items()
+}
