@@ -23,8 +23,10 @@ collective can no longer complete fails at its process group's timeout.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
@@ -275,6 +277,7 @@ class ForwardOverlap:
     def __init__(self) -> None:
         self.pending: OverlappedStep | None = None
         self._chunks: tuple[int, dict[int, set[ChunkKey]]] = (0, {})
+        self._stats = None  # the pending step's StepStats (its wait time goes there)
 
     def start(self, ctx, schedule: list[ChunkKey], stager, run_step: Callable) -> None:
         """Run ``run_step(ctx, schedule, stager, done)`` in the background on the step's own
@@ -293,12 +296,14 @@ class ForwardOverlap:
         keys = [("batch", i) for i in range(len(plan.batches))]
         keys += [("adamw", k) for k in range(len(plan.adamw))]
         self.pending = OverlappedStep(work, keys, ctx.device)
+        self._stats = stats
 
     def synchronize(self) -> None:
         """Wait for the step in flight, if any; raise :class:`OverlapError` if it failed."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            pending.wait_all()
+            with self._timed():
+                pending.wait_all()
 
     def discard(self) -> None:
         """Wait for the step in flight, if any, and forget its failure (a restore follows)."""
@@ -311,7 +316,16 @@ class ForwardOverlap:
         pending = self.pending
         if pending is not None:
             chunks = self._chunks[1]
-            pending.wait_for(key for i in ids for key in chunks.get(i, ()))
+            with self._timed():
+                pending.wait_for(key for i in ids for key in chunks.get(i, ()))
+
+    @contextlib.contextmanager
+    def _timed(self):
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._stats.overlap_wait_seconds += time.perf_counter() - began
 
     def hook(self, model: torch.nn.Module) -> list:
         """A pre-forward hook (first in line) on each module of :func:`parameters_read_at`."""

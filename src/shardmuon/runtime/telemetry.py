@@ -67,6 +67,9 @@ class StepStats:
     ns_checked: int = 0
     ns_fallbacks: int = 0
     ns_worst_ratio: float = 0.0
+    # overlap="forward": seconds the caller waited for this step (the next forward's hooks,
+    # synchronize and everything else that waits).
+    overlap_wait_seconds: float = 0.0
     # Per Newton–Schulz call, a device count of its matrices with a non-finite entry: kept
     # on the device (no synchronisation in the step) until ``nonfinite_matrices`` is read.
     nonfinite_counts: list = field(default_factory=list, repr=False)

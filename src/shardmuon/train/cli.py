@@ -129,6 +129,8 @@ def _optim_from_args(args: argparse.Namespace) -> dict[str, Any]:
         optim["newton_schulz_coefficients"] = "aol"
     if args.offload != "none":
         optim["offload"] = args.offload
+    if args.overlap != "none":
+        optim["overlap"] = args.overlap
     return optim
 
 
@@ -219,6 +221,13 @@ def _run_train(args: argparse.Namespace) -> int:
     )
     for name, value in result.range_means.items():
         print(f"  mean loss steps {name}: {value:.4f}")
+    waited = "" if config.optim.overlap is None else (
+        f", then the forward waited {1e3 * result.overlap_wait_seconds:.1f} ms for it"
+    )  # fmt: skip
+    print(
+        f"  per step (medians): {1e3 * result.step_seconds:.1f} ms; optimizer.step() held the "
+        f"loop {1e3 * result.optimizer_seconds:.1f} ms{waited}"
+    )
     if result.eval:
         first_eval, last_eval = result.eval[0], result.eval[-1]
         print(

@@ -186,6 +186,14 @@ def add_optimizer_flags(train) -> None:
         "streamed chunk by chunk (the same update, bit for bit; may differ from the checkpoint's)",
     )
     train.add_argument(
+        "--overlap",
+        choices=("none", "forward"),
+        default="none",
+        help="Muon's step behind the next forward: step() returns at once and each layer waits "
+        "for its own update (the same update, bit for bit); the summary shows the time step() "
+        "held the loop and the forward waited",
+    )
+    train.add_argument(
         "--qk-clip-threshold", type=positive_float, default=None, metavar="TAU",
         help="QK-clip: after each step, scale the query/key rows of every attention head whose "
         "max logit exceeded TAU (shardmuon.qk_clip.QKClip; Kimi K2 uses 100); off by default",

@@ -305,6 +305,10 @@ class TrainResult:
     eval: list[dict[str, Any]] = field(default_factory=list)
     # Median wall-clock seconds of one training step (held-out losses and saves left out).
     step_seconds: float = math.nan
+    # Medians per step: seconds optimizer.step() held the loop; with overlap="forward", the
+    # seconds the loop then waited for that step (the next forward's hooks, synchronize).
+    optimizer_seconds: float = math.nan
+    overlap_wait_seconds: float = math.nan
 
     def to_json(self, config: TrainConfig) -> dict[str, Any]:
         """JSON-ready dict (the ``--json`` format)."""
@@ -315,6 +319,8 @@ class TrainResult:
             "resumed_from": self.resumed_from,
             "seconds": self.seconds,
             "step_seconds": self.step_seconds,
+            "optimizer_seconds": self.optimizer_seconds,
+            "overlap_wait_seconds": self.overlap_wait_seconds,
             "losses": [{"step": s, "loss": v} for s, v in sorted(self.losses.items())],
             "eval": self.eval,
             "range_means": self.range_means,

@@ -244,6 +244,8 @@ def train_on_rank(
     if world > 1 and config.layout == "fsdp-tp":
         ignore_logits_view_warning(model)
     optimizer = build_optimizer(config, model, layout.expert_mesh_name)
+    if getattr(optimizer, "overlap", None) is not None:
+        optimizer.overlap_with(model)
     start, history, eval_history = _resume(config, model, optimizer, resume_from)
     if start >= config.steps:
         raise ValueError(f"checkpoint is at step {start}, nothing to do for steps={config.steps}")
@@ -265,6 +267,9 @@ def train_on_rank(
     clipped_heads: dict[int, int] = {}
     losses: dict[int, float] = {}
     step_times: list[float] = []
+    # Per step: seconds optimizer.step() held the loop, and (overlap) the step's waits.
+    optimizer_times: list[float] = []
+    waits: list[object] = []
     saved: list[str] = []
     progress = _progress(config, rank, start)
     began = time.perf_counter()
@@ -281,7 +286,10 @@ def train_on_rank(
         # per-token mean, whatever the split.
         (loss_sum * (layout.data_world / global_tokens)).backward()
         set_learning_rates(optimizer, config, step)
+        optimizer_began = time.perf_counter()
         optimizer.step()
+        optimizer_times.append(time.perf_counter() - optimizer_began)
+        waits.append(getattr(optimizer, "last_step_stats", None))
         optimizer.zero_grad(set_to_none=True)
         if clip is not None:
             stats = clip.apply()
@@ -303,6 +311,8 @@ def train_on_rank(
             )
             path = ckpt_io.save_checkpoint(config.checkpoint_dir, step, model, optimizer, trainer)
             saved.append(str(path))
+    if hasattr(optimizer, "synchronize"):
+        optimizer.synchronize()
     seconds = time.perf_counter() - began
     if progress is not None:
         progress.close()
@@ -323,6 +333,8 @@ def train_on_rank(
         clipped_heads,
         evals,
         statistics.median(step_times),
+        statistics.median(optimizer_times),
+        statistics.median(getattr(s, "overlap_wait_seconds", 0.0) for s in waits),
     )
 
 
