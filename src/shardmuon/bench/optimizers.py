@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_OFF",
     "IMPLEMENTATIONS",
     "OFFLOAD_SUFFIX",
+    "OVERLAP_SUFFIX",
     "SHARDMUON_OPTIONS",
     "WEIGHT_DECAY",
     "dion_unavailable",
@@ -59,17 +60,22 @@ DEFAULT_OFF: dict[str, str] = {
     "its divergence guard",
 }
 WEIGHT_DECAY = 0.1
-# A shardmuon impl with this suffix runs with ``offload="state"`` (``--offload``).
+# A shardmuon impl with this suffix runs with ``offload="state"`` (``--offload``), with
+# this one ``overlap="forward"`` (``--overlap``); both: ``IMPL+offload+overlap``.
 OFFLOAD_SUFFIX = "+offload"
+OVERLAP_SUFFIX = "+overlap"
+_SUFFIX_OPTIONS = {OFFLOAD_SUFFIX: {"offload": "state"}, OVERLAP_SUFFIX: {"overlap": "forward"}}
 
 
 def shardmuon_options(impl: str) -> dict[str, Any] | None:
     """``shardmuon.Muon`` keyword arguments of ``impl``, or ``None`` if it is not shardmuon."""
-    offload = impl.endswith(OFFLOAD_SUFFIX)
-    base = impl[: -len(OFFLOAD_SUFFIX)] if offload else impl
-    if base not in SHARDMUON_OPTIONS:
+    base, *suffixes = impl.split("+")
+    if base not in SHARDMUON_OPTIONS or any(f"+{s}" not in _SUFFIX_OPTIONS for s in suffixes):
         return None
-    return {**SHARDMUON_OPTIONS[base], **({"offload": "state"} if offload else {})}
+    options = dict(SHARDMUON_OPTIONS[base])
+    for suffix in suffixes:
+        options.update(_SUFFIX_OPTIONS[f"+{suffix}"])
+    return options
 
 
 def dion_unavailable() -> str | None:

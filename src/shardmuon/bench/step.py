@@ -23,6 +23,7 @@ from shardmuon.bench.optimizers import (
     DEFAULT_OFF,
     IMPLEMENTATIONS,
     OFFLOAD_SUFFIX,
+    OVERLAP_SUFFIX,
     dion_unavailable,
     shardmuon_options,
 )
@@ -103,6 +104,18 @@ def with_offload(impls: list[str], modes: list[str]) -> list[str]:
             out.append(impl + OFFLOAD_SUFFIX)
     if not out:
         raise ValueError("--offload state: none of the chosen --impl are shardmuon's")
+    return out
+
+
+def with_overlap(impls: list[str], overlap: str) -> list[str]:
+    """``--overlap forward``: each shardmuon impl also overlapped (``+overlap``), beside it."""
+    if overlap == "none":
+        return impls
+    out = []
+    for impl in impls:
+        out.append(impl)
+        if shardmuon_options(impl) is not None:
+            out.append(impl + OVERLAP_SUFFIX)
     return out
 
 
@@ -229,6 +242,12 @@ def add_parser(subparsers) -> None:
         "offload='state' (rows 'IMPL+offload'); both, comma-separated ('none,state'), run "
         "side by side",
     )
+    p.add_argument(
+        "--overlap", choices=("none", "forward"), default="none",
+        help="'forward': each shardmuon impl also with overlap='forward' (rows 'IMPL+overlap', "
+        "beside it): 'held ms' is the time step() held the caller; with no forward here to "
+        "hide behind, the step time includes the synchronize after it",
+    )  # fmt: skip
     p.add_argument("--lr", type=positive_float, default=0.02, help="learning rate")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the random weights and grads")
     p.add_argument(
@@ -293,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         if chosen:
             note(chosen)
     impls, skipped = parse_impls(args.impl, world, args.layout)
-    impls = with_offload(impls, parse_offload(args.offload))
+    impls = with_overlap(with_offload(impls, parse_offload(args.offload)), args.overlap)
     cfg = StepConfig(
         model=args.model,
         layers=args.layers,

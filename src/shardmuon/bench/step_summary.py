@@ -53,6 +53,14 @@ def _newton_schulz(passes: list[list[dict]]) -> dict[str, Any]:
     }
 
 
+def _held(passes: list[list[dict]]) -> dict[str, float]:
+    """``+overlap`` rows: the median (steps 2..) of the slowest rank's time in ``step()``."""
+    if "held_times_s" not in passes[0][0]:
+        return {}
+    held = [[max(t) for t in zip(*(r["held_times_s"] for r in ranks))] for ranks in passes]
+    return {"held_s": statistics.median(t for steps in held for t in steps[1:])}
+
+
 def summarize(impl: str, passes: list[list[dict]]) -> dict[str, Any]:
     """One table row from every pass of ``impl`` (a list, per pass, of every rank's figures).
 
@@ -67,6 +75,7 @@ def summarize(impl: str, passes: list[list[dict]]) -> dict[str, Any]:
         "step_s": statistics.median(t for steps in per_step for t in steps[1:]),
         "first_step_s": per_step[0][0],
         "step_times_s": per_step,
+        **_held(passes),
         "peak_bytes": max(r["peak_bytes"] for ranks_ in passes for r in ranks_),
         "transient_bytes": max(r["transient_bytes"] for ranks_ in passes for r in ranks_),
     }
@@ -132,11 +141,12 @@ def print_results(rows: list[dict], cfg, out: dict, skipped: dict[str, str]) -> 
         + (f" ({cfg.layers} layers)" if cfg.layers else "")
         + f", layout {cfg.layout} (mesh {mesh}), {out['world_size']} x {out['device']}, "
         f"{out['threads']} threads/rank",
-        ["impl", "step\nms", "first\nstep ms", "own NS\nms", "step\n÷ NS"],
+        ["impl", "step\nms", "held\nms", "first\nstep ms", "own NS\nms", "step\n÷ NS"],
         [
             [
                 r["impl"],
                 fmt(1e3 * r["step_s"], ".2f"),
+                fmt(1e3 * r["held_s"] if "held_s" in r else None, ".2f"),
                 fmt(1e3 * r["first_step_s"], ".1f"),
                 fmt(1e3 * r["owned_ns_s"] if "owned_ns_s" in r else None, ".2f"),
                 fmt(r.get("step_over_ns"), ".2f"),
@@ -145,7 +155,8 @@ def print_results(rows: list[dict], cfg, out: dict, skipped: dict[str, str]) -> 
         ],
         caption=caption,
         legend=[
-            ("step ms", "wall time of opt.step()"),
+            ("step ms", "wall time of opt.step() (+overlap: and of the synchronize after it)"),
+            ("held ms", "+overlap: the time opt.step() held the caller ('-': not overlapped)"),
             ("first step ms", "step 1 (lazy state, first collectives, compilation)"),
             ("own NS ms", "the rank's Newton-Schulz calls of a step, replayed alone"),
             ("step ÷ NS", "per rank, step over own NS; max over ranks (1.00: all NS)"),
