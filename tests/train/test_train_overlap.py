@@ -39,6 +39,23 @@ def test_the_overlapped_run_has_the_sequential_losses(nproc):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "layout", "nproc"),
+    [("tiny-moe", "ep", 2), ("tiny-llama", "fsdp-tp", 4), ("tiny-moe", "fsdp", 4)],
+)
+def test_expert_and_tensor_parallel_runs_overlap_with_the_same_losses(model, layout, nproc):
+    """Expert parallelism (experts over the ranks) and FSDP x TP (a 2x2 mesh): the hooks
+    wait for DTensor parameters sharded over other meshes, the step's own groups are made
+    for those meshes' groups."""
+    base = dataclasses.replace(BASE, model=model, layout=layout, nproc=nproc, steps=4)
+    plain = run_training(base)
+    overlapped = run_training(
+        dataclasses.replace(base, optim=optim_settings(base.optim, overlap="forward"))
+    )
+    assert overlapped.losses == plain.losses
+
+
+@pytest.mark.slow
 def test_the_summary_and_the_json_report_the_hold_and_the_wait(tmp_path, capsys):
     out = tmp_path / "run.json"
     argv = ["--model", "tiny-llama", "--layers", "1", "--steps", "3", "--batch-size", "4",
