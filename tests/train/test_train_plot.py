@@ -19,6 +19,7 @@ from shardmuon.train.plot import LogitSeries, RunCurves, log_ticks, plot_curves,
         (0.03, 3.4, [0.05, 0.1, 0.2, 0.5, 1, 2]),  # reverse-text SFT: 1-2-5
         (2.0, 5.6, [2, 3, 4, 5]),  # byte-level LM: every 1..9 value
         (0.015, 0.12, [0.02, 0.05, 0.1]),
+        (1.39, 3.46, [1.5, 2, 2.5, 3]),  # a 20-step SFT run: the halves, not 1.8-2.4-3-3.6
     ],
 )
 def test_a_log_axis_gets_at_least_three_labelled_ticks(low, high, expected):

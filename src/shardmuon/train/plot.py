@@ -141,10 +141,11 @@ def plot_result(result, config, label: str, out: str | os.PathLike) -> Path:
 
 def log_ticks(low: float, high: float) -> list[float]:
     """Labelled ticks for a log axis over ``[low, high]`` (> 0): the 1-2-5 values in it,
-    or every 1..9 value, or evenly spaced round values, whichever first gives three."""
+    or every 1..9 value, or those and the halves below 3 (1.5, 2.5), or evenly spaced
+    round values, whichever first gives three."""
     if not (0 < low <= high):
         return []
-    for mantissas in ((1, 2, 5), range(1, 10)):
+    for mantissas in ((1, 2, 5), range(1, 10), (1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)):
         ticks = [
             m * 10.0**e
             for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
