@@ -286,9 +286,10 @@ def _pipeline(ctx: Context) -> None:
 # ------------------------------------------------------------------ torchtitan
 
 
-def _torchtitan_container(model: nn.Module):
+def _torchtitan_container(model: nn.Module, **extra):
     """torchtitan's own ``OptimizersContainer`` given shardmuon as a factory: the three lines
-    of docs/training.md."""
+    of docs/training.md (``extra``: optimizer-wide Muon keywords, through the container's
+    ``optimizer_factory_kwargs_by_name``)."""
     from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 
     class Optimizers(OptimizersContainer):
@@ -306,6 +307,7 @@ def _torchtitan_container(model: nn.Module):
             ParamGroupConfig(pattern=r"(bias|norm)", optimizer_name="shardmuon", optimizer_kwargs=adamw),
             ParamGroupConfig(pattern=r".*", optimizer_name="shardmuon", optimizer_kwargs=dict(MUON_KWARGS)),
         ],
+        optimizer_factory_kwargs_by_name={"shardmuon": extra},
     )  # fmt: skip
     return Optimizers(config, model_parts=[model])
 
@@ -362,6 +364,47 @@ def _torchtitan(ctx: Context) -> None:
     fail_on(problems)
     if ctx.rank == 0:
         print(f"torchtitan {_version('torchtitan')} container: resumed bitwise", flush=True)
+
+
+@case("torchtitan_container_overlapped_bitwise", (2,))
+def _torchtitan_overlapped(ctx: Context) -> None:
+    """torchtitan's container with ``overlap="forward"`` (issue #32): its ``step`` and
+    ``zero_grad`` call each optimizer's, the new grads are written while a step may still
+    run (it holds the ones it began with), its ``state_dict`` waits; five steps bitwise the
+    sequential container's, the state dict taken mid-run too."""
+    from torch.distributed.fsdp import fully_shard
+
+    def laid_out() -> nn.Module:
+        model = MoE((2,), hidden=8)
+        for block in model.layers:
+            fully_shard(block, mesh=ctx.mesh)
+        fully_shard(model, mesh=ctx.mesh)
+        return model
+
+    reference, model = laid_out(), laid_out()
+    ref_opt = _torchtitan_container(reference)
+    optimizers = _torchtitan_container(model, overlap="forward")
+    problems = []
+    if [o.overlap for o in optimizers] != ["forward"]:
+        problems.append(f"the container built overlap {[o.overlap for o in optimizers]}")
+    _train(reference, ref_opt, range(3))
+    _train(model, optimizers, range(3))
+    saved, expected = optimizers.state_dict(), ref_opt.state_dict()
+    if sorted(saved) != sorted(expected):
+        problems.append("the overlapped container's state dict has other keys")
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor) and not torch.equal(
+            local_tensor(value), local_tensor(saved[key])
+        ):
+            problems.append(f"state {key} differs mid-run")
+    _train(reference, ref_opt, range(3, 5))
+    _train(model, optimizers, range(3, 5))
+    for opt in optimizers:
+        opt.synchronize()
+    for (n, p), q in zip(reference.named_parameters(), model.parameters()):
+        if not torch.equal(local_tensor(p), local_tensor(q)):
+            problems.append(f"{n} differs from the sequential container's")
+    fail_on(problems)
 
 
 def _version(package: str) -> str:
