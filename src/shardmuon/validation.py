@@ -124,6 +124,13 @@ def check_group_settings(index: int, group: dict) -> None:
     for key in ("nesterov", "flatten"):
         if not isinstance(group[key], bool):
             raise TypeError(f"{where}: {key} must be True or False, got {group[key]!r}")
+    misplaced = sorted(set(group) & set(OPTIMIZER_SETTINGS))
+    if misplaced:
+        raise ValueError(
+            f"{where} sets {', '.join(map(repr, misplaced))}: optimizer-wide settings, which a "
+            "group's keys would silently not change; pass them to Muon(...) (torchtitan's "
+            "container: optimizer_factory_kwargs_by_name)"
+        )
     if group.get("cautious_wd"):
         raise ValueError(
             f"{where} has cautious_wd=True (microsoft/dion's cautious weight decay), which "

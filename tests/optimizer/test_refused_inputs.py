@@ -227,3 +227,22 @@ def test_parameter_in_two_groups_is_refused() -> None:
     step_with(opt, params, 0)
     step_with(ref, ref_params, 0)
     assert_same_optimizers(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize(
+    "setting", [("overlap", "forward"), ("offload", "state"), ("newton_schulz_impl", "gram")]
+)
+def test_an_optimizer_wide_setting_in_a_group_is_refused_not_ignored(setting):
+    """torchtitan's container puts ``optimizer_kwargs`` into the groups: an optimizer-wide
+    setting there would do nothing; refused at construction and, set later, at the step."""
+    name, value = setting
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError, match=rf"param group 0 sets '{name}': optimizer-wide"):
+        Muon([{"params": [p], name: value}])
+    opt = Muon([p])
+    opt.param_groups[0][name] = value
+    p.grad = torch.ones_like(p)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="pass them to Muon"):
+        opt.step()
+    assert torch.equal(p, before)
