@@ -232,3 +232,32 @@ def test_overlap_with_needs_overlap():
     model = _model()
     with pytest.raises(ValueError, match="overlap_with needs Muon"):
         _optimizer(model).overlap_with(model)
+
+
+def test_ctrl_c_interrupts_a_wait_and_the_step_still_completes(monkeypatch):
+    """A KeyboardInterrupt while the caller waits (Ctrl-C) is raised at once; the worker goes
+    on, and a later wait finds the whole, correct step."""
+    import _thread
+
+    model, reference_model = _model(), _model()
+    opt, reference = _optimizer(model, overlap="forward"), _optimizer(reference_model)
+    release = threading.Event()
+    mark = overlap_module.OverlappedStep._mark
+
+    def held(self, key):
+        release.wait(10)
+        mark(self, key)
+
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", held)
+    for m in (model, reference_model):
+        m(torch.ones(2, 8)).sum().backward()
+    reference.step()
+    opt.step()
+    threading.Timer(0.2, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        opt.synchronize()
+    assert opt._overlap.pending is not None  # still waited for by what comes next
+    release.set()
+    opt.state_dict()
+    assert opt._overlap.pending is None
+    _assert_same(reference_model, reference, model, opt)

@@ -300,10 +300,16 @@ class ForwardOverlap:
 
     def synchronize(self) -> None:
         """Wait for the step in flight, if any; raise :class:`OverlapError` if it failed."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
+        pending = self.pending
+        if pending is None:
+            return
+        try:
             with self._timed():
                 pending.wait_all()
+        except OverlapError:
+            self.pending = None  # raised once; a restore (load_state_dict) follows
+            raise
+        self.pending = None  # kept through an interrupted wait (Ctrl-C): waited for again
 
     def discard(self) -> None:
         """Wait for the step in flight, if any, and forget its failure (a restore follows)."""
