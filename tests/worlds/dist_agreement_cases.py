@@ -151,6 +151,7 @@ _setting_case("per_rank_update_rms", "update_rms", adjust_lr="rms_norm", update_
 _setting_case("per_rank_max_in_flight", "max_in_flight", max_in_flight=1)
 _setting_case("per_rank_coefficients", "coefficients", newton_schulz_coefficients="keller")
 _setting_case("per_rank_check_grads", "check_grads", check_grads="always")
+_setting_case("per_rank_overlap", "overlap", overlap="forward")
 
 
 @case("per_rank_matrix_partitions")
