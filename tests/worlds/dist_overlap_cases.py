@@ -194,6 +194,33 @@ def ddp_model_bitwise(ctx: Context) -> None:
     _models_bitwise(ctx, DistributedDataParallel)
 
 
+def pipeline_stages_bitwise(ctx: Context) -> None:
+    """2 stages x 2 ranks (mesh ``("pp", "dp")``), FSDP2 over each stage's ``dp``, each stage
+    its own layers and optimizer, both overlapped: every stage bitwise its sequential step
+    (the step's groups are made by the world at the stages' first step, taken together)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage, dp_mesh = mesh.get_local_rank("pp"), mesh["dp"]
+    width = 24 if stage == 0 else 16  # other layers, other shapes per stage
+    wrap = _fully_shard(dp_mesh)
+
+    def stage_layers() -> nn.Module:
+        torch.manual_seed(stage)
+        blocks = [nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width)) for _ in range(2)]
+        return nn.Sequential(nn.Linear(8, width), *blocks, nn.Linear(width, 4))
+
+    plain, overlapped = wrap(stage_layers()), wrap(stage_layers())
+    a, b = _optimizer(plain), _optimizer(overlapped, overlap="forward")
+    b.overlap_with(overlapped)
+    losses_a = _train(ctx, plain, a, range(6))
+    with _Delays(ctx.rank):
+        losses_b = _train(ctx, overlapped, b, range(6))
+    assert losses_a == losses_b, f"stage {stage}"
+    b.synchronize()
+    _assert_same_optimizers(a, b, list(plain.parameters()), list(overlapped.parameters()))
+
+
 # ------------------------------------------------------------ faults
 
 
@@ -244,6 +271,7 @@ CASES_BY_WORLD: dict[int, dict[str, Callable[[Context], None]]] = {
         "two_dimensional_split_replicas_bitwise": two_dimensional_split_replicas_bitwise,
         "fsdp2_model_bitwise": fsdp2_model_bitwise,
         "hsdp_model_split_replicas_bitwise": hsdp_model_split_replicas_bitwise,
+        "pipeline_stages_bitwise": pipeline_stages_bitwise,
     },
 }
 CASES: dict[str, Callable[[Context], None]] = {
