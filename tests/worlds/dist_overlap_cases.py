@@ -277,3 +277,38 @@ CASES_BY_WORLD: dict[int, dict[str, Callable[[Context], None]]] = {
 CASES: dict[str, Callable[[Context], None]] = {
     name: case for cases in CASES_BY_WORLD.values() for name, case in cases.items()
 }
+
+
+def a_failure_on_one_rank_reaches_its_peer_at_the_timeout(ctx: Context) -> None:
+    wrap = _fully_shard(ctx.mesh)
+    model = wrap(_layers())
+    opt = _optimizer(model, overlap="forward")
+    opt.overlap_with(model)
+    _train(ctx, model, opt, range(1))
+    opt.synchronize()
+    fail_at = ("batch", 0) if ctx.rank == 0 else None
+    began = time.monotonic()
+    with _Delays(ctx.rank, fail_at=fail_at):
+        try:
+            _train(ctx, model, opt, range(1, 3))
+            opt.synchronize()
+        except Exception as err:
+            error = err
+        else:
+            raise AssertionError("no rank may finish the step a peer abandoned")
+    waited = time.monotonic() - began
+    if ctx.rank == 0:
+        assert isinstance(error, OverlapError), repr(error)
+        assert "injected failure at ('batch', 0)" in str(error)
+    else:
+        # Whichever of its collectives meets the gap first times out: the worker's
+        # all-to-all (an OverlapError naming it) or the forward's FSDP2 all-gather.
+        assert isinstance(error, OverlapError) or "Timed out" in str(error), repr(error)
+        assert waited < 60, f"waited {waited:.0f} s: not the job's 5 s timeout"
+
+
+FAULT_CASES: dict[str, Callable[[Context], None]] = {
+    "a_failure_on_one_rank_reaches_its_peer_at_the_timeout": (
+        a_failure_on_one_rank_reaches_its_peer_at_the_timeout
+    ),
+}

@@ -102,9 +102,24 @@ def step_process_groups(mine: set[tuple[int, ...]]) -> dict[tuple[int, ...], dis
     gathered: list[list[tuple[int, ...]]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, sorted(mine))
     union = sorted({tuple(ranks) for part in gathered for ranks in part} - set(_STEP_GROUPS))
+    timeout = _default_timeout()
     for ranks in union:
-        _STEP_GROUPS[ranks] = dist.new_group(list(ranks))
+        _STEP_GROUPS[ranks] = dist.new_group(list(ranks), timeout=timeout)
     return {ranks: _STEP_GROUPS[ranks] for ranks in mine}
+
+
+def _default_timeout():
+    """The timeout the job gave ``init_process_group`` (``new_group`` would otherwise take
+    torch's 30-minute default): a peer's failure then surfaces as the job expects. ``None``
+    (torch's default) where the backend does not say."""
+    group = dist.distributed_c10d._get_default_group()
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        try:
+            return group._get_backend(torch.device("cuda")).options._timeout
+        except (AttributeError, RuntimeError):
+            return None
 
 
 # Every overlapped step not yet waited for, so that code which reads parameters without
