@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from shardmuon.planning.batches import MuonBatch
+from shardmuon.planning.placements import local_tensor
 
 __all__ = [
     "OVERLAP_CHOICES",
@@ -146,12 +147,16 @@ class OverlappedStep:
         work: Callable[[Callable[[ChunkKey], None]], object],
         keys: Iterable[ChunkKey],
         device: torch.device,
+        read_tensors: Sequence[torch.Tensor] = (),
     ) -> None:
         self._done: dict[ChunkKey, threading.Event] = {k: threading.Event() for k in keys}
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self.result: object = None
         self._cuda = device.type == "cuda"
+        # On CUDA: the caller's tensors the worker's stream reads (the grads), so that the
+        # allocator does not reuse them while its kernels still may (record_stream).
+        self._read_tensors = list(read_tensors)
         self._events: dict[ChunkKey, torch.cuda.Event] = {}
         self._ready = torch.cuda.Event() if self._cuda else None
         if self._ready is not None:
@@ -176,6 +181,9 @@ class OverlappedStep:
                     stream = torch.cuda.Stream(device=device)
                     with torch.cuda.stream(stream):
                         stream.wait_event(self._ready)
+                        for tensor in self._read_tensors:
+                            tensor.record_stream(stream)
+                        self._read_tensors = []
                         self.result = work(self._mark)
                 else:
                     self.result = work(self._mark)
@@ -310,7 +318,8 @@ class ForwardOverlap:
 
         keys = [("batch", i) for i in range(len(plan.batches))]
         keys += [("adamw", k) for k in range(len(plan.adamw))]
-        self.pending = OverlappedStep(work, keys, ctx.device)
+        grads = [local_tensor(g) for g in ctx.grads.values() if g is not None]
+        self.pending = OverlappedStep(work, keys, ctx.device, grads)
         self._stats = stats
 
     def synchronize(self) -> None:
