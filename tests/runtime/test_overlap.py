@@ -41,8 +41,10 @@ def _optimizer(model: nn.Module, **kwargs) -> Muon:
 
 
 def _train(model, opt, steps, seed: int = 0, zero_to_none: bool = True) -> list[float]:
-    """``steps`` steps; even steps accumulate two micro-batches, every step clips."""
+    """``steps`` steps; even steps accumulate two micro-batches, every step clips, and an lr
+    scheduler changes every group's lr (and OneCycle's momentum alias) right after it."""
     generator = torch.Generator().manual_seed(seed)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=steps + 1)
     losses = []
     for step in range(steps):
         for _ in range(2 if step % 2 == 0 else 1):
@@ -52,6 +54,7 @@ def _train(model, opt, steps, seed: int = 0, zero_to_none: bool = True) -> list[
             losses.append(loss.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
         opt.step()
+        scheduler.step()
         opt.zero_grad(set_to_none=zero_to_none)
     return losses
 

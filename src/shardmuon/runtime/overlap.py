@@ -307,6 +307,9 @@ class ForwardOverlap:
         process groups, holding the grads the step began with (``p.grad = None`` meanwhile,
         as ``zero_grad()`` does, is safe)."""
         plan = ctx.plan
+        # The groups' settings as the step began: an lr scheduler (or the user) may change
+        # them as soon as step() returns, and AdamW reads them from the groups.
+        ctx.param_groups = [dict(group) for group in ctx.param_groups]
         ctx.step_groups = step_process_groups(step_groups_of(plan.batches))
         ctx.grads = {id(p): p.grad for g in ctx.param_groups for p in g["params"]}
         if self._chunks[0] != id(plan):
