@@ -18,7 +18,11 @@ import shardmuon.runtime.overlap as overlap_module
 from shardmuon import Muon
 from shardmuon.runtime.overlap import OverlapError, forward_order
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# Several tests step without overlap_with on purpose (they wait explicitly).
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:Muon.overlap='forward'. stepped before overlap_with"),
+]
 
 WIDTH = 24
 
@@ -264,3 +268,17 @@ def test_ctrl_c_interrupts_a_wait_and_the_step_still_completes(monkeypatch):
     opt.state_dict()
     assert opt._overlap.pending is None
     _assert_same(reference_model, reference, model, opt)
+
+
+def test_stepping_without_hooks_warns_once():
+    model = _model()
+    opt = _optimizer(model, overlap="forward")
+    model(torch.ones(2, 8)).sum().backward()
+    with pytest.warns(UserWarning, match=r"stepped before overlap_with\(model\)"):
+        opt.step()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # once per optimizer
+    opt.synchronize()

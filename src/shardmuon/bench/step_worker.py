@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -194,6 +195,9 @@ def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, bar: 
     )
     if hasattr(opt, "warmup"):
         opt.warmup()
+    if getattr(opt, "overlap", None) is not None:
+        # No forward here: every step is followed by synchronize() instead of hooks.
+        warnings.filterwarnings("ignore", "Muon.overlap='forward'. stepped before overlap_with")
     is_shardmuon = shardmuon_options(impl) is not None
     overlapped = is_shardmuon and shardmuon_options(impl).get("overlap") is not None
     times, held, peaks, transients, stats = [], [], [], [], None

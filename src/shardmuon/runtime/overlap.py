@@ -27,6 +27,7 @@ import contextlib
 import functools
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
@@ -301,11 +302,21 @@ class ForwardOverlap:
         self.pending: OverlappedStep | None = None
         self._chunks: tuple[int, dict[int, set[ChunkKey]]] = (0, {})
         self._stats = None  # the pending step's StepStats (its wait time goes there)
+        self._hooked = self._warned = False
 
     def start(self, ctx, schedule: list[ChunkKey], stager, run_step: Callable) -> None:
         """Run ``run_step(ctx, schedule, stager, done)`` in the background on the step's own
         process groups, holding the grads the step began with (``p.grad = None`` meanwhile,
         as ``zero_grad()`` does, is safe)."""
+        if not (self._hooked or self._warned):
+            self._warned = True
+            warnings.warn(
+                "Muon(overlap='forward') stepped before overlap_with(model): nothing makes the "
+                "next forward wait for the update; call opt.overlap_with(model) once, or "
+                "opt.synchronize() before the parameters are read",
+                UserWarning,
+                stacklevel=3,
+            )
         plan = ctx.plan
         # The groups' settings as the step began: an lr scheduler (or the user) may change
         # them as soon as step() returns, and AdamW reads them from the groups.
@@ -363,6 +374,7 @@ class ForwardOverlap:
     def hook(self, model: torch.nn.Module) -> list:
         """A pre-forward hook (first in line) on each module of :func:`parameters_read_at`."""
         handles = []
+        self._hooked = True
         for module, ids in parameters_read_at(model):
             wait = functools.partial(self.wait_for_params, ids)
             handles.append(module.register_forward_pre_hook(wait, prepend=True))
