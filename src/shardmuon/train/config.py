@@ -88,8 +88,8 @@ LM_DEFAULTS: dict[str, Any] = {
     "schedule": "cosine",
 }
 LM_LEARNING_RATES: dict[str, dict[str, float]] = {
-    "muon": {"lr": 0.02, "adamw_lr": 0.004},
-    "adamw": {"lr": 0.004},
+    "muon": {"lr": 0.01, "adamw_lr": 0.008},
+    "adamw": {"lr": 0.002},
 }
 
 
