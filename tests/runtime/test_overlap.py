@@ -137,23 +137,28 @@ def test_the_schedule_takes_the_batches_in_parameter_order():
     assert prepares == order
 
 
-@pytest.mark.parametrize("reader", ["state_dict", "zero_grad", "step_chunk", "qk_clip", "copy"])
-def test_everything_that_reads_the_step_waits_for_it(monkeypatch, reader):
-    model = _model()
-    opt = _optimizer(model, overlap="forward")
-    reference_model = _model()
-    reference = _optimizer(reference_model)
+def _one_step_each(monkeypatch, before_each_chunk):
+    """An overlapped optimizer and a sequential one, one step each from the same grads, the
+    worker calling ``before_each_chunk()`` before it marks a chunk done (a delay, a hold)."""
+    model, reference_model = _model(), _model()
+    opt, reference = _optimizer(model, overlap="forward"), _optimizer(reference_model)
     mark = overlap_module.OverlappedStep._mark
 
-    def slow(self, key):
-        time.sleep(0.01)
+    def delayed(self, key):
+        before_each_chunk()
         mark(self, key)
 
-    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", slow)
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", delayed)
     for m in (model, reference_model):
         m(torch.ones(2, 8)).sum().backward()
     reference.step()
     opt.step()
+    return model, opt, reference_model, reference
+
+
+@pytest.mark.parametrize("reader", ["state_dict", "zero_grad", "step_chunk", "qk_clip", "copy"])
+def test_everything_that_reads_the_step_waits_for_it(monkeypatch, reader):
+    model, opt, reference_model, reference = _one_step_each(monkeypatch, lambda: time.sleep(0.01))
     pending = opt._overlap.pending
     if reader == "state_dict":
         saved = opt.state_dict()
@@ -246,20 +251,8 @@ def test_ctrl_c_interrupts_a_wait_and_the_step_still_completes(monkeypatch):
     on, and a later wait finds the whole, correct step."""
     import _thread
 
-    model, reference_model = _model(), _model()
-    opt, reference = _optimizer(model, overlap="forward"), _optimizer(reference_model)
     release = threading.Event()
-    mark = overlap_module.OverlappedStep._mark
-
-    def held(self, key):
-        release.wait(10)
-        mark(self, key)
-
-    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", held)
-    for m in (model, reference_model):
-        m(torch.ones(2, 8)).sum().backward()
-    reference.step()
-    opt.step()
+    model, opt, reference_model, reference = _one_step_each(monkeypatch, lambda: release.wait(10))
     threading.Timer(0.2, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt):
         opt.synchronize()

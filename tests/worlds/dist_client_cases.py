@@ -312,6 +312,17 @@ def _torchtitan_container(model: nn.Module, **extra):
     return Optimizers(config, model_parts=[model])
 
 
+def _fully_sharded_moe(ctx: Context) -> nn.Module:
+    """The torchtitan cases' model: a small MoE, FSDP2 on each block, then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = MoE((2,), hidden=8)
+    for block in model.layers:
+        fully_shard(block, mesh=ctx.mesh)
+    fully_shard(model, mesh=ctx.mesh)
+    return model
+
+
 def _train(model: nn.Module, optimizers, steps: range) -> None:
     for step in steps:
         for name, p in sorted(model.named_parameters()):
@@ -327,20 +338,12 @@ def _torchtitan(ctx: Context) -> None:
     state dict saved with DCP and loaded back through its ``load_state_dict`` (which takes
     the groups too): steps 4-5 of the resumed run bitwise those of an uninterrupted one."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.fsdp import fully_shard
 
-    def laid_out() -> nn.Module:
-        model = MoE((2,), hidden=8)
-        for block in model.layers:
-            fully_shard(block, mesh=ctx.mesh)
-        fully_shard(model, mesh=ctx.mesh)
-        return model
-
-    reference = laid_out()
+    reference = _fully_sharded_moe(ctx)
     ref_opt = _torchtitan_container(reference)
     _train(reference, ref_opt, range(5))
 
-    model = laid_out()
+    model = _fully_sharded_moe(ctx)
     optimizers = _torchtitan_container(model)
     problems = []
     if [type(o) for o in optimizers] != [Muon]:
@@ -349,7 +352,7 @@ def _torchtitan(ctx: Context) -> None:
     folder = str(_shared_dir())
     dcp.save({"model": model.state_dict(), "optim": optimizers.state_dict()}, checkpoint_id=folder)
 
-    resumed = laid_out()
+    resumed = _fully_sharded_moe(ctx)
     resumed_opt = _torchtitan_container(resumed)
     state = {"model": resumed.state_dict(), "optim": resumed_opt.state_dict()}
     dcp.load(state, checkpoint_id=folder)
@@ -372,16 +375,7 @@ def _torchtitan_overlapped(ctx: Context) -> None:
     ``zero_grad`` call each optimizer's, the new grads are written while a step may still
     run (it holds the ones it began with), its ``state_dict`` waits; five steps bitwise the
     sequential container's, the state dict taken mid-run too."""
-    from torch.distributed.fsdp import fully_shard
-
-    def laid_out() -> nn.Module:
-        model = MoE((2,), hidden=8)
-        for block in model.layers:
-            fully_shard(block, mesh=ctx.mesh)
-        fully_shard(model, mesh=ctx.mesh)
-        return model
-
-    reference, model = laid_out(), laid_out()
+    reference, model = _fully_sharded_moe(ctx), _fully_sharded_moe(ctx)
     ref_opt = _torchtitan_container(reference)
     optimizers = _torchtitan_container(model, overlap="forward")
     problems = []

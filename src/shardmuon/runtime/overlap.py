@@ -16,9 +16,9 @@ What runs where:
   also runs on its own stream, which first waits for the caller's stream (the grads), and
   records one event per chunk; a waiting hook makes the caller's stream wait on it.
 
-A failure in the worker is kept and raised in the caller's thread at the next wait (every
-wait after it raises the same error until :meth:`OverlappedStep.discard`); a peer whose
-collective can no longer complete fails at its process group's timeout.
+A failure in the worker is kept and raised in the caller's thread, once, at the next wait
+(:class:`OverlapError`; ``load_state_dict`` discards it unraised); a peer whose collective
+can no longer complete fails at its process group's timeout.
 """
 
 from __future__ import annotations
@@ -225,9 +225,7 @@ class OverlappedStep:
 
     def wait_all(self) -> None:
         """Block until the whole step is done; raise its failure if it failed."""
-        self._wait(self._finished)
-        self._thread.join()
-        _PENDING.discard(self)
+        self.discard()
         self._raise_if_failed()
         if self._cuda:
             for event in self._events.values():
