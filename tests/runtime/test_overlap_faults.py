@@ -15,7 +15,7 @@ WORLDS = WorldPlan(
     "dist_overlap_cases:FAULT_CASES",
     lambda _: list(dist_overlap_cases.FAULT_CASES),
     (2,),
-    collective_timeout_s=5.0,
+    collective_timeout_s=dist_overlap_cases.FAULT_TIMEOUT_S,
 )
 
 

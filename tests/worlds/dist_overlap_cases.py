@@ -279,6 +279,9 @@ CASES: dict[str, Callable[[Context], None]] = {
 }
 
 
+FAULT_TIMEOUT_S = 5.0  # the fault world's collective timeout (tests/runtime/test_overlap_faults.py)
+
+
 def a_failure_on_one_rank_reaches_its_peer_at_the_timeout(ctx: Context) -> None:
     wrap = _fully_shard(ctx.mesh)
     model = wrap(_layers())
@@ -300,6 +303,10 @@ def a_failure_on_one_rank_reaches_its_peer_at_the_timeout(ctx: Context) -> None:
     if ctx.rank == 0:
         assert isinstance(error, OverlapError), repr(error)
         assert "injected failure at ('batch', 0)" in str(error)
+        # Stay alive past the peer's timeout: leaving at once (the harness's barrier timing
+        # out, then destroying the group) closes the connection under the peer, which then
+        # sees "Connection closed by peer" instead of the timeout this case is about.
+        time.sleep(4 * FAULT_TIMEOUT_S)
     else:
         # Whichever of its collectives meets the gap first times out: the worker's
         # all-to-all (an OverlapError naming it) or the forward's FSDP2 all-gather.
