@@ -6,6 +6,7 @@ the background is raised at the next wait, and a restore recovers."""
 
 from __future__ import annotations
 
+import copy
 import random
 import threading
 import time
@@ -90,8 +91,9 @@ def random_delays(monkeypatch):
 def test_twenty_steps_are_bitwise_the_sequential_ones(random_delays, zero_to_none):
     plain, overlapped = _model(), _model()
     a, b = _optimizer(plain), _optimizer(overlapped, overlap="forward")
-    handles = b.overlap_with(overlapped)
-    assert len(handles) == len([m for m in overlapped.modules() if list(m.parameters(False))])
+    b.overlap_with(overlapped)
+    hooked = [m for m in overlapped.modules() if m._forward_pre_hooks]
+    assert hooked == [m for m in overlapped.modules() if list(m.parameters(False))]
     losses_a = _train(plain, a, 20, zero_to_none=zero_to_none)
     losses_b = _train(overlapped, b, 20, zero_to_none=zero_to_none)
     assert losses_a == losses_b  # each forward saw the updated weights
@@ -149,6 +151,7 @@ def _one_step_each(monkeypatch, before_each_chunk):
         mark(self, key)
 
     monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", delayed)
+    opt.overlap_with(model)
     for m in (model, reference_model):
         m(torch.ones(2, 8)).sum().backward()
     reference.step()
@@ -156,11 +159,26 @@ def _one_step_each(monkeypatch, before_each_chunk):
     return model, opt, reference_model, reference
 
 
-@pytest.mark.parametrize("reader", ["state_dict", "zero_grad", "step_chunk", "qk_clip", "copy"])
+READERS = ["state_dict", "zero_grad", "step_chunk", "qk_clip", "copy"]
+MODEL_READERS = ["model.state_dict", "model.load_state_dict", "layer.state_dict"]
+
+
+@pytest.mark.parametrize("reader", READERS + MODEL_READERS)
 def test_everything_that_reads_the_step_waits_for_it(monkeypatch, reader):
     model, opt, reference_model, reference = _one_step_each(monkeypatch, lambda: time.sleep(0.01))
     pending = opt._overlap.pending
-    if reader == "state_dict":
+    if reader in MODEL_READERS:
+        # A trainer's weight broadcast or checkpoint right after step() (prime-rl's loop).
+        if reader == "model.load_state_dict":
+            model.load_state_dict(reference_model.state_dict())
+        else:
+            module, other = (
+                (model, reference_model) if reader[0] == "m" else (model[3], reference_model[3])
+            )
+            saved, expected = module.state_dict(), other.state_dict()
+            assert all(torch.equal(saved[k], expected[k]) for k in expected)
+        assert pending.finished
+    elif reader == "state_dict":
         saved = opt.state_dict()
         assert pending.finished
         assert saved["state"].keys() == reference.state_dict()["state"].keys()
@@ -174,8 +192,6 @@ def test_everything_that_reads_the_step_waits_for_it(monkeypatch, reader):
         overlap_module.synchronize_all()  # what QKClip.apply calls first
         assert pending.finished
     else:
-        import copy
-
         copy.deepcopy(opt)
         assert pending.finished
     if reader != "step_chunk":
@@ -192,8 +208,6 @@ def test_a_failure_in_the_background_is_raised_at_the_next_wait_and_a_restore_re
     _train(model, opt, 2)
     _train(reference_model, reference, 2)
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
-    import copy
-
     saved_opt = copy.deepcopy(opt.state_dict())
     mark = overlap_module.OverlappedStep._mark
 
@@ -216,6 +230,40 @@ def test_a_failure_in_the_background_is_raised_at_the_next_wait_and_a_restore_re
     _train(reference_model, reference, 2, seed=5)
     opt.synchronize()
     _assert_same(reference_model, reference, model, opt)
+
+
+def test_a_checkpoint_of_a_failed_step_raises_and_a_restore_waits_without_raising(monkeypatch):
+    model = _model()
+    opt = _optimizer(model, overlap="forward")
+    opt.overlap_with(model)
+    _train(model, opt, 1)
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())
+    mark = overlap_module.OverlappedStep._mark
+
+    def slow_then_fail(self, key):
+        time.sleep(0.01)
+        if key == ("batch", 1):
+            raise RuntimeError("injected failure in batch 1")
+        mark(self, key)
+
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", slow_then_fail)
+    for _ in range(2):
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        with pytest.raises(OverlapError, match="injected failure in batch 1"):
+            model.state_dict()  # a checkpoint would hold a half-applied step
+        opt.load_state_dict(saved_opt)
+        model.load_state_dict(saved_model)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    model.load_state_dict(saved_model)  # the restore waits for the worker's last write
+    assert opt._overlap.pending is not None and opt._overlap.pending.finished
+    assert all(torch.equal(p, saved_model[n]) for n, p in model.named_parameters())
+    opt.load_state_dict(saved_opt)  # discards the failure the load left pending
+    model(torch.ones(2, 8))
 
 
 def test_a_refused_step_raises_in_the_caller_and_starts_nothing():

@@ -21,6 +21,7 @@ from DTensor's reading of the placements.
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -77,6 +78,15 @@ class Block(nn.Module):
         self.experts = Experts(experts, hidden, inner)
         self.norm = nn.LayerNorm(hidden)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``: attention stand-in, then every expert weighted by the router."""
+        h = self.norm(x)
+        x = x + self.attn(h)
+        probs = self.router(h).softmax(-1)  # [T, E]
+        gate, up = torch.einsum("th,eih->eti", h, self.experts.gate_up_proj).chunk(2, -1)
+        out = torch.einsum("eti,ehi->eth", nn.functional.silu(gate) * up, self.experts.down_proj)
+        return x + torch.einsum("eth,te->th", out, probs)
+
 
 class MoE(nn.Module):
     """Blocks with other expert counts (so that torchtitan's rule shards the expert dim in
@@ -86,6 +96,11 @@ class MoE(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.ModuleList(Block(hidden, e, inner) for e in experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
 
 def muon_groups(named: dict[str, torch.Tensor]) -> list[dict]:
@@ -312,11 +327,11 @@ def _torchtitan_container(model: nn.Module, **extra):
     return Optimizers(config, model_parts=[model])
 
 
-def _fully_sharded_moe(ctx: Context) -> nn.Module:
+def _fully_sharded_moe(ctx: Context, experts: tuple[int, ...] = (2,)) -> nn.Module:
     """The torchtitan cases' model: a small MoE, FSDP2 on each block, then on the root."""
     from torch.distributed.fsdp import fully_shard
 
-    model = MoE((2,), hidden=8)
+    model = MoE(experts, hidden=8)
     for block in model.layers:
         fully_shard(block, mesh=ctx.mesh)
     fully_shard(model, mesh=ctx.mesh)
@@ -398,6 +413,94 @@ def _torchtitan_overlapped(ctx: Context) -> None:
     for (n, p), q in zip(reference.named_parameters(), model.parameters()):
         if not torch.equal(local_tensor(p), local_tensor(q)):
             problems.append(f"{n} differs from the sequential container's")
+    fail_on(problems)
+
+
+# ------------------------------------------------------------------ prime-rl's loop
+
+
+def _prime_rl_optimizer(model: nn.Module, mesh, **extra) -> Muon:
+    """prime-rl's ``_create_muon_optimizer``: its groups (routers to Muon, experts with
+    ``distributed_mesh_name``, ``adjust_lr="rms_norm"``) and dion's constructor keywords."""
+    from shardmuon.routing import build_param_groups
+
+    routed = build_param_groups(model.named_parameters(), lr=0.02, weight_decay=0.01)
+    return Muon(
+        routed.groups, lr=0.02, mu=0.95, betas=(0.9, 0.95), weight_decay=0.01, epsilon=1e-8,
+        nesterov=True, adjust_lr="rms_norm", world_mesh=mesh, fsdp_mesh_dim=0, **extra,
+    )  # fmt: skip
+
+
+def _warmup_cosine(step: int) -> float:
+    return min(1.0, (step + 1) / 2) * (0.55 + 0.45 * math.cos(math.pi * step / 8))
+
+
+def _prime_rl_loop(ctx, model, opt, scheduler, steps: range, checkpoint_at=None):
+    """prime-rl's trainer loop: two micro-batches accumulated, the grads clipped, step,
+    scheduler, zero_grad, then the weights gathered for the inference server (a read of
+    every parameter right after ``step()``); a DCP checkpoint of the model and
+    ``optimizer.state_dict()`` after step ``checkpoint_at``. Returns the losses and the
+    broadcast weights of every step."""
+    import torch.distributed.checkpoint as dcp
+
+    losses, broadcasts, folder = [], [], None
+    for step in steps:
+        for micro in range(2):
+            x = random_tensors([(6, 8)], 500 + 10 * step + micro)[0]
+            loss = model(x).square().mean() / 2
+            loss.backward()
+            losses.append(loss.detach().clone())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        scheduler.step()
+        opt.zero_grad()
+        broadcasts.append({k: v.full_tensor() for k, v in model.state_dict().items()})
+        if step == checkpoint_at:
+            folder = str(_shared_dir())
+            saved = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+            dcp.save(saved, checkpoint_id=folder)
+            torch.save(scheduler.state_dict(), f"{folder}/scheduler-{ctx.rank}.pt")
+    return losses, broadcasts, folder
+
+
+@case("prime_rl_loop_overlapped_bitwise", (2, 4))
+def _prime_rl_overlapped(ctx: Context) -> None:
+    """prime-rl's call site and loop with ``overlap="forward"`` (issue #32), under random
+    per-rank delays in the background: every loss and every broadcast weight equal the
+    sequential run's; the checkpoint taken right after a step, loaded prime-rl's way (DCP
+    *in place* into a fresh optimizer's ``state_dict()``), resumes bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from dist_overlap_cases import RandomDelays
+    from torch.optim.lr_scheduler import LambdaLR
+
+    def build(**extra) -> tuple[nn.Module, Muon, LambdaLR]:
+        model = _fully_sharded_moe(ctx, experts=(2, 3, 2))
+        opt = _prime_rl_optimizer(model, ctx.mesh, **extra)
+        return model, opt, LambdaLR(opt, _warmup_cosine)
+
+    reference = build()
+    expected = _prime_rl_loop(ctx, *reference, range(6))[:2]
+    model, opt, scheduler = build(overlap="forward")
+    opt.overlap_with(model)
+    with RandomDelays(ctx.rank):
+        losses, broadcasts, folder = _prime_rl_loop(ctx, model, opt, scheduler, range(3), 2)
+        resumed_model, resumed, resumed_scheduler = build(overlap="forward")
+        loaded = {"model": resumed_model.state_dict(), "optimizer": resumed.state_dict()}
+        dcp.load(loaded, checkpoint_id=folder)
+        resumed_model.load_state_dict(loaded["model"])
+        resumed_scheduler.load_state_dict(torch.load(f"{folder}/scheduler-{ctx.rank}.pt"))
+        for group, lr in zip(resumed.param_groups, resumed_scheduler.get_last_lr()):
+            group["lr"] = lr
+        resumed.overlap_with(resumed_model)
+        more = _prime_rl_loop(ctx, resumed_model, resumed, resumed_scheduler, range(3, 6))
+    resumed.synchronize()
+    losses, broadcasts = losses + more[0], broadcasts + more[1]
+    problems = [f"loss {k} differs" for k, (a, b) in enumerate(zip(losses, expected[0])) if a != b]
+    for step, (got, want) in enumerate(zip(broadcasts, expected[1])):
+        problems += [f"step {step}: {k} differs" for k in want if not torch.equal(got[k], want[k])]
+    for (n, p), q in zip(reference[0].named_parameters(), resumed_model.parameters()):
+        if not torch.equal(local_tensor(p), local_tensor(q)):
+            problems.append(f"{n} differs after the resume")
     fail_on(problems)
 
 

@@ -30,7 +30,7 @@ R = Replicate()
 STEPS = 20
 
 
-class _Delays:
+class RandomDelays:
     """Sleep 0-2 ms before each chunk is marked done, from a per-rank seed: the ranks'
     workers and forwards interleave differently (collectives must still pair up)."""
 
@@ -96,7 +96,7 @@ def _specs_bitwise(ctx: Context, specs: list[Spec], **kwargs) -> None:
     settings = {"lr": 0.02, "weight_decay": 0.1, "nesterov": True, **kwargs}
     a = make_optimizer(plain, specs, **settings)
     b = make_optimizer(overlapped, specs, overlap="forward", **settings)
-    with _Delays(ctx.rank):
+    with RandomDelays(ctx.rank):
         for step in range(STEPS):
             grads = random_tensors([s.shape for s in specs], 100 + step)
             # New grads while the last step may still run: it holds the grads it began with.
@@ -164,7 +164,7 @@ def _models_bitwise(ctx: Context, wrap: Callable[[nn.Module], nn.Module], **kwar
     b = _optimizer(overlapped, overlap="forward", **kwargs)
     b.overlap_with(overlapped)
     losses_a = _train(ctx, plain, a, range(STEPS))
-    with _Delays(ctx.rank):
+    with RandomDelays(ctx.rank):
         losses_b = _train(ctx, overlapped, b, range(STEPS))
     assert losses_a == losses_b  # every forward saw the updated weights
     b.synchronize()
@@ -214,7 +214,7 @@ def pipeline_stages_bitwise(ctx: Context) -> None:
     a, b = _optimizer(plain), _optimizer(overlapped, overlap="forward")
     b.overlap_with(overlapped)
     losses_a = _train(ctx, plain, a, range(6))
-    with _Delays(ctx.rank):
+    with RandomDelays(ctx.rank):
         losses_b = _train(ctx, overlapped, b, range(6))
     assert losses_a == losses_b, f"stage {stage}"
     b.synchronize()
@@ -235,7 +235,7 @@ def a_failure_on_every_rank_raises_alike_and_a_restore_recovers(ctx: Context) ->
     saved_model = copy.deepcopy(model.state_dict())
     saved_opt = copy.deepcopy(opt.state_dict())
     message = None
-    with _Delays(ctx.rank, fail_at=("batch", 1)):
+    with RandomDelays(ctx.rank, fail_at=("batch", 1)):
         try:
             _train(ctx, model, opt, range(2, 4))
         except OverlapError as err:
@@ -291,7 +291,7 @@ def a_failure_on_one_rank_reaches_its_peer_at_the_timeout(ctx: Context) -> None:
     opt.synchronize()
     fail_at = ("batch", 0) if ctx.rank == 0 else None
     began = time.monotonic()
-    with _Delays(ctx.rank, fail_at=fail_at):
+    with RandomDelays(ctx.rank, fail_at=fail_at):
         try:
             _train(ctx, model, opt, range(1, 3))
             opt.synchronize()

@@ -50,7 +50,9 @@ class MuonBatch:
     ``planned``: how many matrices the batch has on the ranks that hold the most of its
     parameters (:attr:`MatrixLayout.max_matrices`), where this rank holds fewer (an expert
     stack split unevenly, or not at all, over the ranks of another mesh dim); ``None``:
-    ``num_matrices``.
+    ``num_matrices``. ``first_param``: the parameter index of the batch's first matrix on
+    those ranks, the same on every rank of its group (``segments`` are this rank's own, and
+    a rank holding fewer matrices has other ones or none); ``None``: the first segment's.
     """
 
     index: int
@@ -61,6 +63,7 @@ class MuonBatch:
     eps: float = 1e-8
     replica: int | None = None
     planned: int | None = None
+    first_param: int | None = None
 
     @property
     def num_matrices(self) -> int:
@@ -197,13 +200,21 @@ def plan_batches(
             # (empty ones included): every rank then schedules the same exchanged batches,
             # so the ranks of a group that spans expert groups issue its all-to-alls in
             # one order (the schedule works through all of a rank's batches at once).
-            slots = max(len(units), sum(_most_matrices(e.layout) for e in group_entries))
+            most = [
+                (e.param_index, j) for e in group_entries for j in range(_most_matrices(e.layout))
+            ]
+            slots = max(len(units), len(most))
+            planned_units = most if len(most) == slots else units
             for start in range(0, slots, k):
                 chunk = units[start : start + k]
                 planned = min(k, slots - start)
                 owners = picker.pick(planned, cost) if rotate_owners else tuple(range(planned))
                 batch = MuonBatch(
-                    0, segments=_segments(chunk), owners=owners[: len(chunk)], **common
+                    0,
+                    segments=_segments(chunk),
+                    owners=owners[: len(chunk)],
+                    first_param=planned_units[start][0],
+                    **common,
                 )
                 if planned != len(chunk):
                     batch.planned = planned

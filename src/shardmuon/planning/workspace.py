@@ -30,6 +30,7 @@ __all__ = [
     "BatchBytes",
     "ScheduleCache",
     "batch_bytes",
+    "forward_schedule",
     "local_batch_size",
     "newton_schulz_bytes",
     "peak_of_schedule",
@@ -236,6 +237,60 @@ def step_schedule(
     return schedule([schedule_bytes(b, cost) for b in batches], budget, max_in_flight)
 
 
+def forward_schedule(
+    batches: Sequence[MuonBatch],
+    order: Sequence[int],
+    budget: int,
+    max_in_flight: int,
+    cost: EngineCost = DEFAULT_COST,
+) -> list[tuple[str, int]]:
+    """The schedule of ``batches`` taken in ``order`` (the forward's, for the overlapped step).
+
+    The exchanged batches are scheduled alone (:func:`schedule`), in ``order``: their
+    collectives then follow from what every rank of their group plans alike. A local
+    batch's size is this rank's own (an expert stack split unevenly holds fewer matrices,
+    or none, here), so a local batch that talks to nobody runs whole (prepare, compute, finish) just before
+    the exchanged batch that follows it in ``order``, once its bytes fit beside those the
+    exchanged batches hold (else as soon as they do); it can move nothing else. Local
+    batches that broadcast to their replicas (``split_replicas``) keep the sequential
+    step's place: after the exchanged ones, in ``order``. ``(phase, index into batches)``.
+    """
+    exchanged = [i for i in order if batches[i].layout.exchanged]
+    silent = deque(
+        i for i in order if not batches[i].layout.exchanged and batches[i].replica is None
+    )
+    replicated = [
+        i for i in order if not batches[i].layout.exchanged and batches[i].replica is not None
+    ]
+    position = {i: k for k, i in enumerate(order)}
+    sizes = {i: schedule_bytes(batches[i], cost) for i in exchanged}
+    ex_ops = schedule([sizes[i] for i in exchanged], budget, max_in_flight)
+    ops: list[tuple[str, int]] = []
+    held = 0
+    unprepared = deque(exchanged)
+
+    def run_silent(before: float) -> None:
+        while silent and position[silent[0]] < before:
+            size = batch_bytes(batches[silent[0]], cost)
+            if held and held + size.held + size.peak > budget:
+                return  # after the exchanged batches in flight give their bytes back
+            i = silent.popleft()
+            ops.extend((("prepare", i), ("compute", i), ("finish", i)))
+
+    for phase, j in ex_ops:
+        i = exchanged[j]
+        run_silent(position[unprepared[0]] if unprepared else float("inf"))
+        ops.append((phase, i))
+        if phase == "prepare":
+            unprepared.popleft()
+            held += sizes[i].held
+        elif phase == "finish":
+            held -= sizes[i].held
+    run_silent(float("inf"))
+    tail = schedule([schedule_bytes(batches[i], cost) for i in replicated], budget, max_in_flight)
+    return ops + [(phase, replicated[j]) for phase, j in tail]
+
+
 def peak_of_schedule(ops: Sequence[tuple[str, int]], sizes: Sequence[BatchBytes]) -> int:
     """The largest ``held + peak`` while running ``ops`` with this rank's ``sizes``."""
     peak = held = 0
@@ -277,8 +332,8 @@ class ScheduleCache:
             if order is None:
                 self._ops = step_schedule(plan.batches, budget, max_in_flight, plan.ns_cost)
             else:
-                batches = [plan.batches[i] for i in order]
-                ops = step_schedule(batches, budget, max_in_flight, plan.ns_cost)
-                self._ops = [(phase, order[i]) for phase, i in ops]
+                self._ops = forward_schedule(
+                    plan.batches, order, budget, max_in_flight, plan.ns_cost
+                )
             self._source = source
         return self._ops

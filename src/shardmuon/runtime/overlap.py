@@ -65,12 +65,18 @@ class OverlapError(RuntimeError):
 def forward_order(batches: Sequence[MuonBatch]) -> list[int]:
     """The batches' indices by their first parameter (the optimizer's parameter order, which
     is the model's when the parameters were given as ``model.parameters()``): the first
-    layers' batches first. Every rank of a group plans the same batches, so it derives the
+    layers' batches first. The key is the plan's ``first_param`` where set (an exchanged
+    batch: the same on every rank of its group, though a rank holding fewer matrices has
+    other segments or none), else the first segment's: every rank of a group derives the
     same order."""
-    return sorted(
-        range(len(batches)),
-        key=lambda i: (min((s.param_index for s in batches[i].segments), default=0), i),
-    )
+
+    def first(i: int) -> int:
+        batch = batches[i]
+        if batch.first_param is not None:
+            return batch.first_param
+        return batch.segments[0].param_index if batch.segments else -1
+
+    return sorted(range(len(batches)), key=lambda i: (first(i), i))
 
 
 def step_groups_of(batches: Sequence[MuonBatch]) -> set[tuple[int, ...]]:
@@ -231,10 +237,14 @@ class OverlappedStep:
             for event in self._events.values():
                 torch.cuda.current_stream().wait_event(event)
 
-    def discard(self) -> BaseException | None:
-        """Wait for the worker, forget the step and return its failure (``None`` if none)."""
+    def join(self) -> None:
+        """Wait for the worker to finish (it writes nothing more); raise nothing."""
         self._wait(self._finished)
         self._thread.join()
+
+    def discard(self) -> BaseException | None:
+        """Wait for the worker, forget the step and return its failure (``None`` if none)."""
+        self.join()
         _PENDING.discard(self)
         return self._error
 
@@ -369,11 +379,31 @@ class ForwardOverlap:
         finally:
             self._stats.overlap_wait_seconds += time.perf_counter() - began
 
+    def before_state_dict(self, *_hook_args) -> None:
+        """A module's ``state_dict`` pre-hook: :meth:`synchronize` (a checkpoint of a failed,
+        half-applied step raises instead)."""
+        self.synchronize()
+
+    def before_load_state_dict(self, *_hook_args) -> None:
+        """A module's ``load_state_dict`` pre-hook: wait until the worker writes nothing more;
+        a failure stays pending for the next wait (or the optimizer's restore to discard)."""
+        pending = self.pending
+        if pending is not None:
+            with self._timed():
+                pending.join()
+
     def hook(self, model: torch.nn.Module) -> list:
-        """A pre-forward hook (first in line) on each module of :func:`parameters_read_at`."""
+        """A pre-forward hook (first in line) on each module of :func:`parameters_read_at`;
+        on ``model`` and each of those modules, ``state_dict`` and ``load_state_dict``
+        pre-hooks that wait for the whole step (they read or write every parameter: a
+        trainer's weight broadcast, checkpoint or restore right after ``step()``)."""
         handles = []
         self._hooked = True
-        for module, ids in parameters_read_at(model):
+        read_at = parameters_read_at(model)
+        for module, ids in read_at:
             wait = functools.partial(self.wait_for_params, ids)
             handles.append(module.register_forward_pre_hook(wait, prepend=True))
+        for module in {id(m): m for m in (model, *(m for m, _ in read_at))}.values():
+            handles.append(module.register_state_dict_pre_hook(self.before_state_dict))
+            handles.append(module.register_load_state_dict_pre_hook(self.before_load_state_dict))
         return handles
