@@ -11,8 +11,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from shardmuon.planning.batches import MuonBatch, Segment
+from shardmuon.planning.batches import MuonBatch, PlanEntry, Segment, plan_batches
 from shardmuon.planning.groups import ShardGroup
 from shardmuon.planning.pieces import Piece
 from shardmuon.planning.placements import MatrixLayout
@@ -24,6 +25,7 @@ from shardmuon.planning.workspace import (
     schedule_bytes,
 )
 from shardmuon.runtime.agreement import collective_order
+from shardmuon.runtime.overlap import forward_order
 
 PHASES = ("prepare", "compute", "finish")
 
@@ -50,7 +52,7 @@ def _local(rng: random.Random, param: int, replicated: bool) -> MuonBatch:
 
 def _plan(seed: int) -> tuple[list[MuonBatch], list[int]]:
     """Exchanged batches and local ones (some broadcast to replicas) of random sizes, and
-    the forward's order: by first parameter."""
+    the forward's order (:func:`forward_order`)."""
     rng = random.Random(seed)
     batches = []
     for param in range(0, 10 * rng.randint(2, 5), 10):
@@ -147,3 +149,26 @@ def test_a_local_batch_runs_before_the_exchanged_batch_after_it_when_it_fits(see
     _, replicated = _kinds(batches, order)
     assert [i for i in prepared if i not in replicated] == [i for i in order if i not in replicated]
     assert prepared[-len(replicated) :] == replicated  # broadcasts keep their place: last
+
+
+def test_exchanged_batches_are_ordered_alike_on_a_rank_holding_fewer_matrices():
+    """Two stacks of one shape in one group; rank B holds none of the first one's matrices
+    (an expert dim split past its size over another mesh dim): its batches hold other
+    matrices, or none, yet both ranks take them in the same forward order."""
+
+    def plans(counts: tuple[int, int]) -> list[MuonBatch]:
+        group = ShardGroup(ranks=(0, 1), rank_index=0, process_group=None)
+        pieces = (Piece(((0, 4),), ((0, 8),)), Piece(((4, 8),), ((0, 8),)))
+        entries = [
+            PlanEntry(
+                param, MatrixLayout(8, 8, n, 4, 8, False, group=group, pieces=pieces, max_matrices=2),
+                torch.float32, None, 1e-8,
+            )
+            for param, n in enumerate(counts)
+        ]  # fmt: skip
+        return plan_batches(entries)
+
+    full, fewer = plans((2, 2)), plans((0, 2))
+    assert [b.num_matrices for b in fewer] == [2, 0]  # other matrices, then none
+    assert forward_order(full) == forward_order(fewer) == [0, 1]
+    assert [b.first_param for b in fewer] == [b.first_param for b in full] == [0, 1]
