@@ -142,13 +142,13 @@ def _kinds(batches: list[MuonBatch], order: list[int]) -> tuple[list[int], list[
 
 
 @pytest.mark.parametrize("seed", [s for s in range(40) if all(_kinds(*_plan(s)))][:6])
-def test_a_local_batch_runs_before_the_exchanged_batch_after_it_when_it_fits(seed):
+def test_batches_are_done_in_the_forward_order_when_they_fit(seed):
     batches, order = _plan(seed)
     ops = forward_schedule(batches, order, 10**9, 3)
-    prepared = [i for phase, i in ops if phase == "prepare"]
+    done = [i for phase, i in ops if phase == "finish"]
     _, replicated = _kinds(batches, order)
-    assert [i for i in prepared if i not in replicated] == [i for i in order if i not in replicated]
-    assert prepared[-len(replicated) :] == replicated  # broadcasts keep their place: last
+    assert [i for i in done if i not in replicated] == [i for i in order if i not in replicated]
+    assert done[-len(replicated) :] == replicated  # broadcasts keep their place: last
 
 
 def test_exchanged_batches_are_ordered_alike_on_a_rank_holding_fewer_matrices():

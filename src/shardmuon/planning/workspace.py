@@ -18,6 +18,7 @@ batch does on its own. Local (no-communication) stacks are cut so that one batch
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -249,9 +250,10 @@ def forward_schedule(
     The exchanged batches are scheduled alone (:func:`schedule`), in ``order``: their
     collectives then follow from what every rank of their group plans alike. A local
     batch's size is this rank's own (an expert stack split unevenly holds fewer matrices,
-    or none, here), so a local batch that talks to nobody runs whole (prepare, compute, finish) just before
-    the exchanged batch that follows it in ``order``, once its bytes fit beside those the
-    exchanged batches hold (else as soon as they do); it can move nothing else. Local
+    or none, here), so a local batch that talks to nobody runs whole (prepare, compute,
+    finish) as soon as every exchanged batch before it in ``order`` is finished and its
+    bytes fit beside those the exchanged batches in flight hold: the batches are done in
+    the forward's order, and a local batch moves no collective. Local
     batches that broadcast to their replicas (``split_replicas``) keep the sequential
     step's place: after the exchanged ones, in ``order``. ``(phase, index into batches)``.
     """
@@ -263,30 +265,33 @@ def forward_schedule(
         i for i in order if not batches[i].layout.exchanged and batches[i].replica is not None
     ]
     position = {i: k for k, i in enumerate(order)}
+    exchanged_positions = [position[i] for i in exchanged]  # ascending
     sizes = {i: schedule_bytes(batches[i], cost) for i in exchanged}
-    ex_ops = schedule([sizes[i] for i in exchanged], budget, max_in_flight)
     ops: list[tuple[str, int]] = []
-    held = 0
-    unprepared = deque(exchanged)
+    held = finished = 0
 
-    def run_silent(before: float) -> None:
-        while silent and position[silent[0]] < before:
-            size = batch_bytes(batches[silent[0]], cost)
+    def run_silent() -> None:
+        while silent:
+            i = silent[0]
+            if bisect.bisect_left(exchanged_positions, position[i]) > finished:
+                return  # an exchanged batch before it in the forward's order is not done
+            size = batch_bytes(batches[i], cost)
             if held and held + size.held + size.peak > budget:
                 return  # after the exchanged batches in flight give their bytes back
-            i = silent.popleft()
+            silent.popleft()
             ops.extend((("prepare", i), ("compute", i), ("finish", i)))
 
-    for phase, j in ex_ops:
+    run_silent()
+    for phase, j in schedule([sizes[i] for i in exchanged], budget, max_in_flight):
         i = exchanged[j]
-        run_silent(position[unprepared[0]] if unprepared else float("inf"))
         ops.append((phase, i))
         if phase == "prepare":
-            unprepared.popleft()
             held += sizes[i].held
         elif phase == "finish":
             held -= sizes[i].held
-    run_silent(float("inf"))
+            finished += 1  # in the order prepared: the forward's
+            run_silent()
+    run_silent()
     tail = schedule([schedule_bytes(batches[i], cost) for i in replicated], budget, max_in_flight)
     return ops + [(phase, replicated[j]) for phase, j in tail]
 
