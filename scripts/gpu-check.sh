@@ -1,53 +1,81 @@
 #!/usr/bin/env bash
 # The prepared GPU check, for one call of the device tool (the machine has torch,
 # transformers, rich, matplotlib and pytest, and no network): CUDA tests, then the seed's
-# benchmarks on one GPU. Everything lands under $OUT (default ./gpu-out).
-#   run(command="bash scripts/gpu-check.sh", timeout_s=590)
-# The per-command caps sum to 575 s; runs end well before them when nothing hangs.
+# benchmarks on one GPU.
+#   run(command="bash scripts/gpu-check.sh", timeout_s=480)
+# Every figure lands in a work folder that is packed into $OUT/gpu-results.tgz after each
+# step (the device tool brings back at most 8 files; a timeout keeps what was done), and
+# the whole log in $OUT/log.txt. The per-command caps sum to 420 s; runs end well before
+# them when nothing hangs.
+# Dry run on a CPU (the flags, not the figures):
+#   GPU_CHECK_MODEL=tiny-moe GPU_CHECK_LAYERS=2 GPU_CHECK_NS_SHAPES=4x64x128 \
+#     GPU_CHECK_STEPS=2 OUT=/tmp/gpu-dry bash scripts/gpu-check.sh
+# ONLY=name1,name2 runs only those steps (a rerun of what failed).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
+RES=$(mktemp -d)
+MODEL=${GPU_CHECK_MODEL:-qwen3-30b-a3b}
+LAYERS=${GPU_CHECK_LAYERS:-4}
+STEPS=${GPU_CHECK_STEPS:-6}
+NS_SHAPES=${GPU_CHECK_NS_SHAPES:-}
+ONLY=${ONLY:-}
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 PY=python3
-$PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
-timeout 90 $PY -m pytest -q -p no:cacheprovider tests/optimizer/test_cuda.py tests/ops/test_newton_schulz.py \
-  tests/optimizer/test_optimizer_api.py tests/runtime/test_offload.py tests/ops/test_newton_schulz_gram.py \
-  tests/qk_clip/test_qk_clip_cuda.py \
-  -k "not distributed" 2>&1 | tail -15 \
-  | tee "$OUT/tests.txt"
 B="$PY -m shardmuon"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+
+# step NAME CAP COMMAND...: run one step under a time cap, its output in NAME.txt, then
+# pack everything so far.
+step() {
+  local name=$1 cap=$2
+  shift 2
+  if [[ -n "$ONLY" && ",$ONLY," != *",$name,"* ]]; then return; fi
+  echo "=== $name (cap ${cap}s) $(date +%T)"
+  local start=$SECONDS
+  timeout "$cap" "$@" 2>&1 | tee "$RES/$name.txt"
+  echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - start)) s"
+  tar czf "$OUT/gpu-results.tgz" -C "$RES" .
+}
+
+$PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')" \
+  | tee "$RES/env.txt"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv 2>/dev/null | tee -a "$RES/env.txt"
+
+step tests 100 $PY -m pytest -q -p no:cacheprovider -x tests/optimizer/test_cuda.py \
+  tests/ops/test_newton_schulz.py tests/optimizer/test_optimizer_api.py tests/runtime/test_offload.py \
+  tests/ops/test_newton_schulz_gram.py tests/qk_clip/test_qk_clip_cuda.py -k "not distributed"
+SHAPES=()
+[[ -n "$NS_SHAPES" ]] && SHAPES=(--shapes "$NS_SHAPES")
 # Newton-Schulz per call on the seed's H200 shapes (the GPU default of bench ns): folded
-# vs unfolded in bf16, and standard vs Gram (issue #23) in bf16, fp16 and fp32, with the
-# errors on the three input kinds. Two runs, so that a timeout in the second keeps the first.
-timeout 60 $B bench ns --presets dion --dtypes bf16,fp16,fp32 --json "$OUT/ns.json" \
-  | tee "$OUT/ns.txt"
-timeout 35 $B bench ns --presets deepseek-v4 --dtypes bf16,fp16 --json "$OUT/ns-dsv4.json" \
-  | tee "$OUT/ns-dsv4.txt"
-# One-GPU optimizer step on real-model shapes (multi-rank runs need several GPUs).
-timeout 55 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
-  --json "$OUT/step-qwen3.json" | tee "$OUT/step-qwen3.txt"
-# Optimizer-state offload (issue #11): the same step with the state in pinned host memory,
-# streamed chunk by chunk, beside the state on the GPU.
-timeout 60 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
-  --impl shardmuon --offload none,state --json "$OUT/step-offload.json" \
-  | tee "$OUT/step-offload.txt"
-# The whole step, standard vs Gram engine (bf16) in one run.
-timeout 55 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
-  --impl shardmuon,shardmuon-gram --json "$OUT/step-gram.json" | tee "$OUT/step-gram.txt"
-# AOL (issue #29): one Newton-Schulz iteration fewer, the default's step beside it.
-timeout 55 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
-  --impl shardmuon --ns-preconditioner aol --json "$OUT/step-aol.json" | tee "$OUT/step-aol.txt"
-# The measured "auto" (calibrated per shape class on this GPU, issue #29).
-timeout 40 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
-  --impl shardmuon --ns-impl auto --json "$OUT/step-auto.json" | tee "$OUT/step-auto.txt"
-timeout 30 $B bench ab --model tiny-moe --steps 5 --json "$OUT/ab.json" | tee "$OUT/ab.txt"
+# vs unfolded in bf16, and standard vs Gram in bf16, fp16 and fp32, with the errors on the
+# three input kinds; AOL's 4-step preset beside dion's.
+step ns 60 $B bench ns "${SHAPES[@]}" --coefficients dion,aol --dtypes bf16,fp16,fp32 --no-progress \
+  --json "$RES/ns.json"
+STEP=(bench step --nproc 1 --layout none --model "$MODEL" --layers "$LAYERS" --steps "$STEPS" --no-progress)
+# One-GPU optimizer step on real-model shapes, standard vs Gram engine vs AdamW.
+step step 60 $B "${STEP[@]}" --impl shardmuon,shardmuon-gram,shardmuon-unfolded,adamw --order abba \
+  --json "$RES/step.json"
+# AOL: one Newton-Schulz iteration fewer; and the measured "auto" (calibrated per shape
+# class on this GPU).
+step step-aol 40 $B "${STEP[@]}" --impl shardmuon --ns-preconditioner aol --json "$RES/step-aol.json"
+step step-auto 40 $B "${STEP[@]}" --impl shardmuon --ns-impl auto --json "$RES/step-auto.json"
+# Optimizer-state offload: the state in pinned host memory, streamed chunk by chunk.
+step step-offload 40 $B "${STEP[@]}" --impl shardmuon --offload state --json "$RES/step-offload.json"
 # The step behind the next forward (issue #32). bench step has no forward: 'held ms' is the
-# time step() holds the caller, beside the sequential step. Then the tiny MoE training loop,
-# sequential and overlapped: the summary's "optimizer.step() held the loop" and "the
-# forward waited" are the exposed optimizer time per iteration.
-timeout 45 $B bench step --nproc 1 --layout none --model qwen3-30b-a3b --layers 4 --steps 6 \
-  --impl shardmuon --overlap forward --json "$OUT/step-overlap.json" | tee "$OUT/step-overlap.txt"
-for overlap in none forward; do
-  timeout 25 $B train --nproc 1 --steps 20 --overlap $overlap --no-progress \
-    --json "$OUT/train-overlap-$overlap.json" | tee "$OUT/train-overlap-$overlap.txt"
+# time step() holds the caller, beside the sequential step.
+step step-overlap 40 $B "${STEP[@]}" --impl shardmuon --overlap forward --json "$RES/step-overlap.json"
+# The training loop, sequential and overlapped (interleaved): "optimizer.step() held the
+# loop" plus "the forward waited" is the exposed optimizer time per iteration.
+for round in 1 2; do
+  for overlap in none forward; do
+    step "train-$overlap-$round" 20 $B train --nproc 1 --steps 15 --overlap "$overlap" --no-progress \
+      --json "$RES/train-$overlap-$round.json"
+  done
 done
+for overlap in none forward; do
+  step "train-big-$overlap" 45 $B train --nproc 1 --model "$MODEL" --layers 2 --steps "$STEPS" \
+    --overlap "$overlap" --no-progress --json "$RES/train-big-$overlap.json"
+done
+step ab 25 $B bench ab --model tiny-moe --steps 3 --no-progress --json "$RES/ab.json"
+ls -la "$RES"
