@@ -56,7 +56,8 @@ def test_muon_step_on_cuda_matches_cpu() -> None:
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
     results = []
     for device in ("cpu", "cuda"):
-        ps = [torch.nn.Parameter(t.to(device)) for t in init]
+        # clone: on the CPU .to() returns the same tensor, and the step would update init too
+        ps = [torch.nn.Parameter(t.to(device).clone()) for t in init]
         opt = Muon(
             [dict(params=ps[:3]), dict(params=ps[3:], algorithm="adamw")],
             lr=0.02,
