@@ -5,18 +5,31 @@ the config it mirrors (prime-rl's ``optim.*`` section) is pydantic and arrives a
 TOML/JSON/CLI values: pydantic turns ``"0.02"`` or ``[0.9, 0.95]`` into the right types,
 ``extra="forbid"`` turns a misspelt key (``momentum`` for ``mu``) into an error instead of a
 silently ignored setting, and ``model_dump()``/``model_json_schema()`` come for free. The
-package already depends on pydantic. The ranges are the constructor's own checks
-(:mod:`shardmuon.validation`, spelled once), run by validators that raise ``ValueError``
-naming the field, the value given and what is accepted; pydantic wraps it in
-``pydantic.ValidationError``, which is itself a ``ValueError`` (so ``except ValueError``
-catches every bad config).
+package already depends on pydantic. The ranges of the numeric settings are
+stated once, in :data:`FIELD_RANGES`, and checked by the constructor's own checks
+(:mod:`shardmuon.validation`, :func:`shardmuon.qk_clip.check_qk_clip_settings`), run by
+validators that raise ``ValueError`` naming the field, the value given and what is accepted;
+pydantic wraps it in ``pydantic.ValidationError``, which is itself a ``ValueError`` (so
+``except ValueError`` catches every bad config). :func:`config_error` says pydantic's report
+in one line; :func:`check_setting` checks one setting alone, through the same validators
+(``shardmuon train``'s optimizer flags are checked by it while the arguments are parsed).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from torch import Tensor, nn
 
 from shardmuon.ops.newton_schulz import resolve_coefficients
@@ -27,7 +40,16 @@ from shardmuon.validation import check_adjust_lr, check_int, check_number
 if TYPE_CHECKING:
     from shardmuon.optimizer import Muon
 
-__all__ = ["QK_CLIP_FIELDS", "MuonConfig", "build_optimizer", "build_qk_clip"]
+__all__ = [
+    "FIELD_RANGES",
+    "QK_CLIP_FIELDS",
+    "MuonConfig",
+    "NumberRange",
+    "build_optimizer",
+    "build_qk_clip",
+    "check_setting",
+    "config_error",
+]
 
 # MuonConfig fields that configure QK-clip rather than the optimizer.
 QK_CLIP_FIELDS = ("qk_clip_threshold", "qk_clip_alpha")
@@ -56,13 +78,39 @@ def _checked_number(name: str, value: Any, upper: float | None, positive: bool) 
     return float(value.item() if hasattr(value, "item") else value)
 
 
-# The constructor's ranges (validation.check_number): (upper bound, > 0 rather than >= 0).
-NUMBER_RANGES = {
-    "lr": (None, False),
-    "weight_decay": (None, False),
-    "epsilon": (None, True),
-    "mu": (1.0, False),
-    "update_rms": (None, True),
+@dataclass(frozen=True)
+class NumberRange:
+    """The finite numbers a setting accepts: from ``low`` up to ``high`` (``None``:
+    unbounded), each bound excluded where ``low_open`` / ``high_open`` says so."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return False
+        if not math.isfinite(value):
+            return False
+        above_low = value > self.low if self.low_open else value >= self.low
+        if self.high is None:
+            return above_low
+        return above_low and (value < self.high if self.high_open else value <= self.high)
+
+
+# The range of every numeric setting, stated once. The validators below check it (lr to
+# update_rms through the constructor's validation.check_number, which takes a range from 0,
+# > 0 where low_open, below an excluded upper bound; the QK-clip pair through QKClip's own
+# check_qk_clip_settings), and shardmuon train's flags are described by it.
+FIELD_RANGES: dict[str, NumberRange] = {
+    "lr": NumberRange(0.0),
+    "weight_decay": NumberRange(0.0),
+    "epsilon": NumberRange(0.0, low_open=True),
+    "mu": NumberRange(0.0, 1.0, high_open=True),
+    "update_rms": NumberRange(0.0, low_open=True),
+    "qk_clip_threshold": NumberRange(0.0, low_open=True),
+    "qk_clip_alpha": NumberRange(0.0, 1.0),
 }
 INT_ACCEPTED = {
     "max_in_flight": "an int >= 1",
@@ -137,8 +185,8 @@ class MuonConfig(BaseModel):
     @classmethod
     def _numbers(cls, value: Any, info: ValidationInfo) -> float:
         name = info.field_name
-        upper, positive = NUMBER_RANGES[name]
-        return _checked_number(name, _number(name, value), upper, positive)
+        limits = FIELD_RANGES[name]
+        return _checked_number(name, _number(name, value), limits.high, limits.low_open)
 
     @field_validator("betas", mode="before")
     @classmethod
@@ -220,6 +268,28 @@ class MuonConfig(BaseModel):
         kwargs = self.model_dump(exclude=set(QK_CLIP_FIELDS))
         kwargs["betas"] = tuple(kwargs["betas"])
         return kwargs
+
+
+def config_error(err: ValidationError) -> str:
+    """pydantic's report on a bad :class:`MuonConfig` in one line: its first error, as the
+    validator raised it (which names the field), or as ``field: message`` where the message
+    does not name it (pydantic's own errors: an unknown field, a value outside a Literal)."""
+    first = err.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    cause = first.get("ctx", {}).get("error")
+    message = str(cause) if isinstance(cause, Exception) else str(first["msg"])
+    return message if message.startswith(where) else f"{where}: {message}"
+
+
+def check_setting(name: str, value: Any) -> Any:
+    """``value`` as :class:`MuonConfig` takes it for the setting ``name`` (the other settings
+    at their defaults), through the same validators; ``ValueError`` in one line if refused."""
+    if name not in MuonConfig.model_fields:
+        raise ValueError(f"{name!r} is not a MuonConfig setting")
+    try:
+        return getattr(MuonConfig(**{name: value}), name)
+    except ValidationError as err:
+        raise ValueError(config_error(err)) from None
 
 
 def build_optimizer(

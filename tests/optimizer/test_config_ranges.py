@@ -15,7 +15,7 @@ import torch
 from torch.nn import Parameter
 
 from shardmuon import Muon
-from shardmuon.config import MuonConfig
+from shardmuon.config import FIELD_RANGES, MuonConfig, check_setting
 
 
 @pytest.mark.parametrize(
@@ -147,3 +147,29 @@ def test_config_betas_and_constructor_agree() -> None:
         except ValueError:
             by_config = False
         assert by_config == by_muon, pair
+
+
+@pytest.mark.parametrize("value", NUMBERS, ids=repr)
+@pytest.mark.parametrize("field", sorted(FIELD_RANGES))
+def test_the_stated_ranges_are_what_the_config_accepts(field, value) -> None:
+    """``FIELD_RANGES`` (what the command line's flags say they take) states exactly what
+    the validators accept."""
+    try:
+        MuonConfig(**{field: value})
+        by_config = True
+    except ValueError:
+        by_config = False
+    assert (value in FIELD_RANGES[field]) == by_config
+
+
+def test_one_setting_is_checked_alone_in_one_line() -> None:
+    assert check_setting("mu", "0.5") == 0.5
+    assert check_setting("qk_clip_alpha", 1) == 1.0
+    with pytest.raises(ValueError, match=r"^mu must be a number in \[0, 1\), got 2\.0$"):
+        check_setting("mu", 2.0)
+    with pytest.raises(ValueError, match=r"^qk_clip_alpha must be in \[0, 1\]"):
+        check_setting("qk_clip_alpha", 1.5)
+    with pytest.raises(ValueError, match=r"^offload: Input should be 'state'$"):
+        check_setting("offload", "disk")
+    with pytest.raises(ValueError, match="'momentum' is not a MuonConfig setting"):
+        check_setting("momentum", 0.9)

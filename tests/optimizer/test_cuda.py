@@ -106,7 +106,8 @@ def test_offload_on_cuda_is_bitwise_with_pinned_host_state() -> None:
         assert torch.equal(p, q)
         for key, value in plain_opt.state[p].items():
             host = opt.state[q][key]
-            assert host.device.type == "cpu" and host.is_pinned()
+            # a 0-dim step counter stays a plain CPU scalar in both runs (nothing to stream)
+            assert host.device.type == "cpu" and (host.dim() == 0 or host.is_pinned()), key
             assert torch.equal(value.cpu(), host)  # state_dict-level reads wait for stores
     infos = [opt.chunk_info(c) for c in opt.chunks()]
     largest = max(i.state_bytes for i in infos)

@@ -15,10 +15,11 @@ from checks import (
     assert_same_optimizers,
     assert_unchanged,
     differs,
+    grads_for_shapes,
     optimizer_snapshot,
     set_grads,
 )
-from fidelity_setup import grads, param, step_with
+from fidelity_setup import param, step_with
 from torch import nn
 
 from shardmuon import Muon
@@ -119,7 +120,7 @@ def test_cautious_wd_is_refused_at_construction_and_on_load() -> None:
     assert_same(opt.state_dict(), before)
     opt.param_groups[0]["cautious_wd"] = True
     snap = optimizer_snapshot(opt, params)
-    set_grads(params, grads([(16, 8), (8, 16)], 1))
+    set_grads(params, grads_for_shapes([(16, 8), (8, 16)], 1))
     with pytest.raises(ValueError, match=r"param group 0 has cautious_wd=True"):
         opt.step()
     assert_unchanged(opt, params, snap)

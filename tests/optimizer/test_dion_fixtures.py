@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from checks import set_named_grads, snapshot_named
 from fixtures import (
     NOISE_FLOOR_PER_STEP,
     adamw_names,
@@ -23,8 +24,6 @@ from fixtures import (
     loadable_state_dict,
     make_optimizer,
     muon_names,
-    set_grads,
-    snapshot,
 )
 from reference import adamw_step_fp64, applied_update, muon_update_fp64
 
@@ -58,11 +57,11 @@ def run(
     opt = make_optimizer(case, params, **overrides)
     if state_dict is not None:
         opt.load_state_dict(loadable_state_dict(state_dict))
-    out = Trajectory(params={steps[0] - 1: snapshot(params)}, state_dicts={})
+    out = Trajectory(params={steps[0] - 1: snapshot_named(params)}, state_dicts={})
     for k in steps:
-        set_grads(params, case["grads"][k - 1])
+        set_named_grads(params, case["grads"][k - 1])
         opt.step()
-        out.params[k] = snapshot(params)
+        out.params[k] = snapshot_named(params)
         out.state_dicts[k] = loadable_state_dict(opt.state_dict())
     return out
 

@@ -12,8 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from checks import assert_same_optimizers, assert_unchanged, optimizer_snapshot, set_grads
-from fidelity_setup import grads, param, step_with
+from checks import (
+    assert_same_optimizers,
+    assert_unchanged,
+    grads_for_shapes,
+    optimizer_snapshot,
+    set_grads,
+)
+from fidelity_setup import param, step_with
 from torch import Tensor, nn
 
 import shardmuon.runtime.adamw_step as adamw_step_module
@@ -137,7 +143,7 @@ def test_failed_chunk_resumes_without_stepping_twice(
     order_before = [] if position == "first" else others
     order_after = others if position == "first" else []
 
-    set_grads(params, grads(SIX_SHAPES, 1))
+    set_grads(params, grads_for_shapes(SIX_SHAPES, 1))
     for chunk in order_before:
         opt.step_chunk(chunk)
     arm()
@@ -151,7 +157,7 @@ def test_failed_chunk_resumes_without_stepping_twice(
         opt.step_chunk(chunk)
     assert not opt._rounds.is_open
 
-    set_grads(ref_params, grads(SIX_SHAPES, 1))
+    set_grads(ref_params, grads_for_shapes(SIX_SHAPES, 1))
     ref.step()
     assert_same_optimizers(opt, params, ref, ref_params)
     assert [g["step"] for g in opt.param_groups] == [g["step"] for g in ref.param_groups]
@@ -166,7 +172,7 @@ def test_open_round_refuses_step_add_group_and_load() -> None:
     step_with(opt, params, 0)
     step_with(ref, ref_params, 0)
     chunks = opt.chunks()
-    set_grads(params, grads(SIX_SHAPES, 1))
+    set_grads(params, grads_for_shapes(SIX_SHAPES, 1))
     opt.step_chunk(chunks[1])
     snap = optimizer_snapshot(opt, params)
     groups_before = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
@@ -183,7 +189,7 @@ def test_open_round_refuses_step_add_group_and_load() -> None:
     )
     opt.step_chunk(chunks[0])
     opt.step_chunk(chunks[2])
-    set_grads(ref_params, grads(SIX_SHAPES, 1))
+    set_grads(ref_params, grads_for_shapes(SIX_SHAPES, 1))
     ref.step()
     assert_same_optimizers(opt, params, ref, ref_params)
 
@@ -192,7 +198,7 @@ def test_planned_setting_edited_during_an_open_round_raises() -> None:
     params, ref_params = _six_params(), _six_params()
     opt, ref = _six(params), _six(ref_params)
     chunks = opt.chunks()
-    set_grads(params, grads(SIX_SHAPES, 0))
+    set_grads(params, grads_for_shapes(SIX_SHAPES, 0))
     opt.step_chunk(chunks[0])
     opt.param_groups[0]["adjust_lr"] = "rms_norm"
     with pytest.raises(RuntimeError, match=r"planned settings or parameters changed during a"):

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from checks import assert_all_bitwise, clone_params, params_of, set_grads, snapshot
-from generic_setup import grads_for, make_opt, make_params, step_both
+from checks import assert_all_bitwise, clone_params, grads_for, params_of, set_grads, snapshot
+from generic_setup import make_opt, make_params, step_both
 from torch import Tensor
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,

@@ -18,10 +18,11 @@ from checks import (
     assert_unchanged,
     clone_params,
     differs,
+    grads_for_shapes,
     optimizer_snapshot,
     set_grads,
 )
-from fidelity_setup import MIXED_SHAPES, copy_state, grads, mixed, mixed_params, step_with
+from fidelity_setup import MIXED_SHAPES, copy_state, mixed, mixed_params, step_with
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,7 +102,7 @@ def test_update_rms_edit_to_a_bad_value_raises_before_stepping() -> None:
     step_with(opt, params, 0)
     snap = optimizer_snapshot(opt, params)
     opt.update_rms = -1.0
-    set_grads(params, grads(MIXED_SHAPES, 1))
+    set_grads(params, grads_for_shapes(MIXED_SHAPES, 1))
     with pytest.raises(ValueError, match=r"update_rms must be a finite number > 0, got -1\.0"):
         opt.step()
     assert_unchanged(opt, params, snap)

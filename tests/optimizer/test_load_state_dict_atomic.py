@@ -13,8 +13,15 @@ from typing import Any
 
 import pytest
 import torch
-from checks import assert_same, assert_same_optimizers, clone_params, set_grads, state_tensor_keys
-from fidelity_setup import copy_state, grads, param, step_with
+from checks import (
+    assert_same,
+    assert_same_optimizers,
+    clone_params,
+    grads_for_shapes,
+    set_grads,
+    state_tensor_keys,
+)
+from fidelity_setup import copy_state, param, step_with
 from torch import Tensor, nn
 
 from shardmuon import Muon
@@ -74,7 +81,7 @@ def _pop_param(sd: dict) -> dict:
 def _torch_adamw(_: dict) -> dict:
     params = _five_params()
     other = torch.optim.AdamW(params)
-    set_grads(params, grads(FIVE_SHAPES, 0))
+    set_grads(params, grads_for_shapes(FIVE_SHAPES, 0))
     other.step()
     return other.state_dict()
 
@@ -82,7 +89,7 @@ def _torch_adamw(_: dict) -> dict:
 def _torch_muon(_: dict) -> dict:
     params = _five_params()[:2]
     other = torch.optim.Muon(params)
-    set_grads(params, grads(FIVE_SHAPES[:2], 0))
+    set_grads(params, grads_for_shapes(FIVE_SHAPES[:2], 0))
     other.step()
     return other.state_dict()
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from checks import assert_all_bitwise, set_grads, snapshot
-from generic_setup import BASE, grads_for, make_groups, make_opt, make_params, step_both
+from checks import assert_all_bitwise, grads_for, set_grads, snapshot
+from generic_setup import BASE, make_groups, make_opt, make_params, step_both
 from torch import Tensor
 from torch.nn import Parameter
 from torch.optim.lr_scheduler import (

@@ -19,10 +19,11 @@ from checks import (
     assert_same_optimizers,
     assert_unchanged,
     clone_params,
+    grads_for_shapes,
     optimizer_snapshot,
     set_grads,
 )
-from fidelity_setup import MIXED_SHAPES, grads, mixed, mixed_params, param, step_with
+from fidelity_setup import MIXED_SHAPES, mixed, mixed_params, param, step_with
 from torch import Tensor, nn
 
 from shardmuon import Muon
@@ -90,7 +91,7 @@ def test_sparse_grads_are_refused_before_anything_changes(
     step_with(opt, params, 0)
     step_with(ref, ref_params, 0)
     snap = optimizer_snapshot(opt, params)
-    set_grads(params, grads(shapes, 1))
+    set_grads(params, grads_for_shapes(shapes, 1))
     if make_sparse is _embedding_sparse_grad:
         params[1].grad = None
     make_sparse(params)
@@ -145,7 +146,7 @@ def test_bad_setting_edited_into_a_group_raises_at_step(
     snap = optimizer_snapshot(opt, params)
     good = opt.param_groups[index][key]
     opt.param_groups[index][key] = value
-    set_grads(params, grads(MIXED_SHAPES, 1))
+    set_grads(params, grads_for_shapes(MIXED_SHAPES, 1))
     with pytest.raises(error, match=rf"param group {index}: {pattern}"):
         opt.step()
     assert_unchanged(opt, params, snap)

@@ -18,10 +18,11 @@ from checks import (
     assert_unchanged,
     clone_params,
     differs,
+    grads_for_shapes,
     optimizer_snapshot,
     set_grads,
 )
-from fidelity_setup import copy_state, grads, param, step_with
+from fidelity_setup import copy_state, param, step_with
 from torch import Tensor, nn
 
 from shardmuon import Muon
@@ -48,7 +49,7 @@ def _fused_vs_separate(
     opt = Muon([dict(params=[fused], **fused_group)], **kwargs, **extra)
     ref = Muon([dict(params=parts)], **kwargs)
     for s in range(steps):
-        (g,) = grads([shape], s)
+        (g,) = grads_for_shapes([shape], s)
         fused.grad = g.clone()
         set_grads(parts, _split_rows(g, blocks))
         opt.step()
@@ -215,7 +216,7 @@ def test_bad_split_sizes_set_after_construction_raise_at_step() -> None:
     step_with(opt, [fused], 0)
     snap = optimizer_snapshot(opt, [fused])
     opt.param_groups[0]["split_sizes"] = (64, 32)
-    set_grads([fused], grads([(128, 64)], 1))
+    set_grads([fused], grads_for_shapes([(128, 64)], 1))
     with pytest.raises(ValueError, match=r"split_sizes = \[64, 32\] sums to 96"):
         opt.step()
     assert_unchanged(opt, [fused], snap)

@@ -13,13 +13,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from checks import assert_all_bitwise, assert_same, clone_params, set_grads, snapshot
+from checks import assert_all_bitwise, assert_same, clone_params, grads_for, set_grads, snapshot
 from generic_setup import (
     BASE,
     OPTIM_FACTORIES,
     OPTIM_IDS,
     dion_state,
-    grads_for,
     make_opt,
     make_params,
     step_both,

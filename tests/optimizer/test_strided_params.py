@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from checks import assert_same_optimizers
-from fidelity_setup import grads, param
+from checks import assert_same_optimizers, grads_for_shapes
+from fidelity_setup import param
 from torch import Tensor, nn
 
 from shardmuon import Muon
@@ -55,7 +55,7 @@ def test_strided_params_update_like_contiguous_copies(make: Callable, flatten: b
     opt = Muon([strided, other], **kwargs)
     ref = Muon([contiguous, other_ref], **kwargs)
     for s in range(3):
-        g, g_other = grads([tuple(data.shape), (16, 8)], s)
+        g, g_other = grads_for_shapes([tuple(data.shape), (16, 8)], s)
         strided.grad = torch.empty_like(strided).copy_(g)  # laid out like the param
         contiguous.grad = g.clone()
         other.grad, other_ref.grad = g_other.clone(), g_other.clone()

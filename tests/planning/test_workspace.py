@@ -37,10 +37,6 @@ def _params(seed: int = 0) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in SHAPES]
 
 
-def _set_grads(params, step: int) -> None:
-    set_random_grads(params, 100 + step)
-
-
 def _optimizer(params, budget: int, max_in_flight: int = 3) -> Muon:
     fused = params[-1]
     return Muon(
@@ -187,9 +183,9 @@ def test_newton_schulz_memory_is_within_its_estimate_and_holds_no_fp32_copy() ->
 def _step_memory(budget: int, max_in_flight: int = 3):
     params = _params()
     opt = _optimizer(params, budget, max_in_flight)
-    _set_grads(params, 0)
+    set_random_grads(params, 100)
     opt.step()
-    _set_grads(params, 1)
+    set_random_grads(params, 101)
     memory = measure_cpu_step(opt.step, 0)
     return opt, params, memory
 
@@ -230,7 +226,7 @@ def test_the_budget_does_not_change_the_bits() -> None:
             params = _params()
             opt = _optimizer(params, budget)
             for step in range(3):
-                _set_grads(params, step)
+                set_random_grads(params, 100 + step)
                 opt.step()
             results.append(([p.detach().clone() for p in params], opt.state_dict()))
     finally:

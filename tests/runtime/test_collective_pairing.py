@@ -1,4 +1,6 @@
-"""Issue #19's escapes, on gloo worlds of 2, 3, 4 and 8 ranks (cases in ``dist_escape_cases``).
+"""Collectives that pair up across ranks, on gloo worlds of 2, 3, 4 and 8 ranks (cases in
+``dist_collective_pairing_cases``; issue #19's escapes): permuted meshes, random layouts and
+workspace budgets.
 
 Every distributed case runs under a collective timeout, so a hang fails the test instead of
 stalling the suite. Each case is bitwise like one process, and the collectives every rank
@@ -7,13 +9,13 @@ issues pair up across the members of every group.
 
 from __future__ import annotations
 
-import dist_escape_cases
+import dist_collective_pairing_cases
 import pytest
 from dist_harness import WorldPlan
 
 WORLDS = WorldPlan(
-    "dist_escape_cases:CASES",
-    dist_escape_cases.cases_for,
+    "dist_collective_pairing_cases:CASES",
+    dist_collective_pairing_cases.cases_for,
     (2, 3, 4, 8),
     collective_timeout_s=30.0,
 )

@@ -27,10 +27,6 @@ def _params(seed: int = 0) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(p) for p in params]
 
 
-def _set_grads(params, step: int) -> None:
-    set_random_grads(params, 100 + step)
-
-
 def _optimizer(params, **kwargs) -> Muon:
     muon, adamw = params[: len(SHAPES)], params[len(SHAPES) :]
     return Muon(
@@ -48,7 +44,7 @@ def _run(chunked: bool, steps: int = STEPS, **kwargs):
     params = _params()
     opt = _optimizer(params, **kwargs)
     for step in range(steps):
-        _set_grads(params, step)
+        set_random_grads(params, 100 + step)
         if chunked:
             for chunk in opt.chunks():
                 opt.step_chunk(chunk)
@@ -57,16 +53,12 @@ def _run(chunked: bool, steps: int = STEPS, **kwargs):
     return params, opt
 
 
-def _assert_same(a_params, a_opt, b_params, b_opt) -> None:
-    assert_same_optimizers(a_opt, a_params, b_opt, b_params)
-
-
 @pytest.mark.parametrize("chunked", [False, True], ids=["step", "step_chunk"])
 @pytest.mark.parametrize("prefetch", [1, 2, 3])
 def test_offload_is_bitwise_the_same_update(chunked, prefetch) -> None:
-    reference = _run(chunked=False)
-    offloaded = _run(chunked, offload="state", offload_prefetch=prefetch)
-    _assert_same(*reference, *offloaded)
+    ref_params, reference = _run(chunked=False)
+    params, offloaded = _run(chunked, offload="state", offload_prefetch=prefetch)
+    assert_same_optimizers(reference, ref_params, offloaded, params)
 
 
 @pytest.mark.parametrize("prefetch", [1, 2, 3])
@@ -75,7 +67,7 @@ def test_state_streams_once_each_way_within_prefetch_chunks(prefetch) -> None:
     infos = [opt.chunk_info(c) for c in opt.chunks()]
     total = sum(i.state_bytes for i in infos)
     largest = max(i.state_bytes for i in infos)
-    _set_grads(params, 1)
+    set_random_grads(params, 101)
     opt.step()
     stats = opt.last_step_stats
     assert stats.offload_bytes_loaded == stats.offload_bytes_stored == total
@@ -89,7 +81,7 @@ def test_state_stays_in_its_host_tensors() -> None:
     params, opt = _run(chunked=False, steps=1, offload="state")
     pointers = {id(p): opt.state[p]["momentum"].data_ptr() for p in params}
     before = {id(p): opt.state[p]["momentum"].clone() for p in params}
-    _set_grads(params, 1)
+    set_random_grads(params, 101)
     opt.step()
     for p in params:
         momentum = opt.state[p]["momentum"]
@@ -106,15 +98,15 @@ def test_no_offload_moves_no_state() -> None:
 
 @pytest.mark.parametrize(("first", "second"), [(None, "state"), ("state", None)])
 def test_checkpoints_load_across_modes(first, second) -> None:
-    uninterrupted = _run(chunked=False, steps=4)
+    ref_params, uninterrupted = _run(chunked=False, steps=4)
     params, opt = _run(chunked=False, steps=2, offload=first)
     saved = opt.state_dict()
     resumed = _optimizer(params, offload=second)
     resumed.load_state_dict(saved)
     for step in (2, 3):
-        _set_grads(params, step)
+        set_random_grads(params, 100 + step)
         resumed.step()
-    _assert_same(*uninterrupted, params, resumed)
+    assert_same_optimizers(uninterrupted, ref_params, resumed, params)
     if second == "state":
         for p in params:
             assert resumed.state[p]["momentum"].is_contiguous()
@@ -122,14 +114,14 @@ def test_checkpoints_load_across_modes(first, second) -> None:
 
 def test_failed_chunk_keeps_host_state_consistent(monkeypatch) -> None:
     """A chunk that fails after its momentum update stores the update; the retry resumes."""
-    reference = _run(chunked=False)
+    ref_params, reference = _run(chunked=False)
     params = _params()
     opt = _optimizer(params, offload="state")
-    _set_grads(params, 0)
+    set_random_grads(params, 100)
     opt.step()
-    _set_grads(params, 1)
+    set_random_grads(params, 101)
     opt.step()
-    _set_grads(params, 2)
+    set_random_grads(params, 102)
     real = phases_module.StepContext.orthogonalize
     calls = {"n": 0}
 
@@ -145,7 +137,7 @@ def test_failed_chunk_keeps_host_state_consistent(monkeypatch) -> None:
         opt.step_chunk(chunks[0])
     for chunk in chunks:
         opt.step_chunk(chunk)
-    _assert_same(*reference, params, opt)
+    assert_same_optimizers(reference, ref_params, opt, params)
 
 
 def test_chunk_info_describes_each_chunk() -> None:

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from checks import assert_same_optimizers
 from torch import nn
 
 import shardmuon.runtime.overlap as overlap_module
@@ -64,15 +65,6 @@ def _train(model, opt, steps, seed: int = 0, zero_to_none: bool = True) -> list[
     return losses
 
 
-def _assert_same(model_a, opt_a, model_b, opt_b) -> None:
-    for k, (p, q) in enumerate(zip(model_a.parameters(), model_b.parameters())):
-        assert torch.equal(p, q), f"param {k}"
-        for key, value in opt_a.state[p].items():
-            other = opt_b.state[q][key]
-            same = torch.equal(value, other) if torch.is_tensor(value) else value == other
-            assert same, f"param {k} state {key}"
-
-
 @pytest.fixture
 def random_delays(monkeypatch):
     """Sleep 0-3 ms in the background before each chunk is marked done (the worker waits
@@ -98,7 +90,7 @@ def test_twenty_steps_are_bitwise_the_sequential_ones(random_delays, zero_to_non
     losses_b = _train(overlapped, b, 20, zero_to_none=zero_to_none)
     assert losses_a == losses_b  # each forward saw the updated weights
     b.synchronize()
-    _assert_same(plain, a, overlapped, b)
+    assert_same_optimizers(a, list(plain.parameters()), b, list(overlapped.parameters()))
 
 
 def test_step_returns_before_the_step_is_done_and_each_layer_waits_for_its_own(monkeypatch):
@@ -195,7 +187,9 @@ def test_everything_that_reads_the_step_waits_for_it(monkeypatch, reader):
         copy.deepcopy(opt)
         assert pending.finished
     if reader != "step_chunk":
-        _assert_same(reference_model, reference, model, opt)
+        assert_same_optimizers(
+            reference, list(reference_model.parameters()), opt, list(model.parameters())
+        )
 
 
 def test_a_failure_in_the_background_is_raised_at_the_next_wait_and_a_restore_recovers(
@@ -229,7 +223,9 @@ def test_a_failure_in_the_background_is_raised_at_the_next_wait_and_a_restore_re
     _train(model, opt, 2, seed=5)
     _train(reference_model, reference, 2, seed=5)
     opt.synchronize()
-    _assert_same(reference_model, reference, model, opt)
+    assert_same_optimizers(
+        reference, list(reference_model.parameters()), opt, list(model.parameters())
+    )
 
 
 def test_a_checkpoint_of_a_failed_step_raises_and_a_restore_waits_without_raising(monkeypatch):
@@ -279,7 +275,9 @@ def test_a_refused_step_raises_in_the_caller_and_starts_nothing():
     opt.step()
     reference.step()
     opt.synchronize()
-    _assert_same(reference_model, reference, model, opt)
+    assert_same_optimizers(
+        reference, list(reference_model.parameters()), opt, list(model.parameters())
+    )
 
 
 @pytest.mark.parametrize("bad", ["backward", True, 1])
@@ -308,7 +306,9 @@ def test_ctrl_c_interrupts_a_wait_and_the_step_still_completes(monkeypatch):
     release.set()
     opt.state_dict()
     assert opt._overlap.pending is None
-    _assert_same(reference_model, reference, model, opt)
+    assert_same_optimizers(
+        reference, list(reference_model.parameters()), opt, list(model.parameters())
+    )
 
 
 def test_stepping_without_hooks_warns_once():

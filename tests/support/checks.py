@@ -17,10 +17,30 @@ def set_random_grads(params, seed: int, scale: float = 1.0) -> None:
         p.grad = (torch.randn(p.shape, generator=gen) * scale).to(p.dtype)
 
 
+def grads_for(step: int, ps: list[Tensor]) -> list[Tensor]:
+    """The gradients of step ``step`` for the parameters ``ps``: the same values for every
+    run, drawn in float64 and cast to each parameter's dtype."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in ps]
+
+
+def grads_for_shapes(shapes: list[tuple[int, ...]], seed: int) -> list[Tensor]:
+    """The float32 gradients of step ``seed`` for tensors of ``shapes``: the same values
+    for every run."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return [torch.randn(s, generator=gen) for s in shapes]
+
+
 def set_grads(params, grads) -> None:
     """Give each parameter a copy of its grad in ``grads`` (in order)."""
     for p, g in zip(params, grads):
         p.grad = g.clone()
+
+
+def set_named_grads(params: dict[str, Tensor], grads: dict[str, Tensor]) -> None:
+    """Give each named parameter a (detached) copy of ``grads[name]``."""
+    for n, p in params.items():
+        p.grad = grads[n].detach().clone()
 
 
 def clone_params(params) -> list[Parameter]:
@@ -31,6 +51,11 @@ def clone_params(params) -> list[Parameter]:
 def snapshot(params) -> list[Tensor]:
     """Detached copies of the parameters' current values."""
     return [p.detach().clone() for p in params]
+
+
+def snapshot_named(params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Detached copies of the named parameters' current values, by name."""
+    return {n: p.detach().clone() for n, p in params.items()}
 
 
 def differs(params_a, params_b) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from checks import set_grads, state_tensor_keys
+from checks import grads_for_shapes, set_grads, state_tensor_keys
 from torch import Tensor, nn
 
 from shardmuon import Muon
@@ -18,15 +18,9 @@ def param(shape: tuple[int, ...], seed: int) -> nn.Parameter:
     return nn.Parameter(torch.randn(shape, generator=gen) * 0.1)
 
 
-def grads(shapes: list[tuple[int, ...]], seed: int) -> list[Tensor]:
-    """The gradients of step ``seed``: the same values for every run."""
-    gen = torch.Generator().manual_seed(1000 + seed)
-    return [torch.randn(s, generator=gen) for s in shapes]
-
-
 def step_with(opt: Muon, params: list[Tensor], seed: int) -> None:
     """One step on the gradients of step ``seed``."""
-    set_grads(params, grads([tuple(p.shape) for p in params], seed))
+    set_grads(params, grads_for_shapes([tuple(p.shape) for p in params], seed))
     opt.step()
 
 

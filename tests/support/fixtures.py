@@ -89,17 +89,6 @@ def make_optimizer(
     return shardmuon.Muon(params=build_groups(case, params), **kwargs)
 
 
-def set_grads(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
-    """Assign ``grads[name]`` (cloned) as ``.grad`` of each param."""
-    for n, p in params.items():
-        p.grad = grads[n].detach().clone()
-
-
-def snapshot(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached copies of the params' current values."""
-    return {n: p.detach().clone() for n, p in params.items()}
-
-
 def loadable_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A deep copy: ``load_state_dict`` keeps the given tensors and later steps mutate them."""
     return copy.deepcopy(state_dict)

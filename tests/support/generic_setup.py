@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from checks import set_grads
+from checks import grads_for, set_grads
 from torch import Tensor
 from torch.nn import Parameter
 
@@ -45,12 +45,6 @@ def make_groups(ps: list[Tensor], muon: dict | None = None, adamw: dict | None =
 
 def make_opt(ps: list[Tensor], **kwargs: Any) -> Muon:
     return Muon(make_groups(ps), **{**BASE, **kwargs})
-
-
-def grads_for(step: int, ps: list[Tensor]) -> list[Tensor]:
-    """The gradients of step ``step``: the same values for every run, in each param's dtype."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in ps]
 
 
 def dion_state(opt: Muon, p: Tensor) -> list[Tensor]:

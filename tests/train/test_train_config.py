@@ -4,6 +4,7 @@ Fast: no training."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
@@ -11,6 +12,7 @@ import pytest
 
 from shardmuon.config import MuonConfig
 from shardmuon.train.cli import _config_from_args, add_parser
+from shardmuon.train.cli_flags import OPTIM_FLAGS
 from shardmuon.train.config import TrainConfig, config_dict, optim_settings, task_config
 from shardmuon.train.resume import (
     RESUME_FIXED,
@@ -111,3 +113,51 @@ def test_new_checkpoints_record_the_nested_settings(tmp_path):
         "--ns-impl",
         "--warmup",
     ]
+
+
+NUMERIC_OPTIM_FLAGS = [
+    "update_rms",
+    "lr",
+    "weight_decay",
+    "mu",
+    "qk_clip_threshold",
+    "qk_clip_alpha",
+]
+EDGES = ["-1", "-0", "0", "1e-300", "0.5", "1", "1.5", "1e300", "nan", "inf"]
+
+
+@pytest.mark.parametrize("dest", NUMERIC_OPTIM_FLAGS)
+def test_optimizer_flags_take_what_the_muon_config_takes(dest):
+    """One validation path from flag to constructor: each numeric optimizer flag's type is
+    built from its MuonConfig setting (its stated range, its validators), and takes a value
+    exactly when the config (and, for --lr, training's lr rule) does."""
+    from shardmuon.config import FIELD_RANGES
+    from shardmuon.train.cli_flags import SettingNumber
+    from shardmuon.train.config import TRAIN_LR_RANGE, check_train_lr
+
+    field = OPTIM_FLAGS[dest]
+    parser = argparse.ArgumentParser()
+    subparsers = parser.add_subparsers(dest="command")
+    add_parser(subparsers)
+    train = subparsers.choices["train"]
+    (kind,) = [action.type for action in train._actions if action.dest == dest]
+    assert isinstance(kind, SettingNumber), (dest, kind)
+    limits = TRAIN_LR_RANGE if dest == "lr" else FIELD_RANGES[field]
+    assert (kind.low, kind.high, kind.low_open, kind.high_open) == (
+        limits.low, limits.high, limits.low_open, limits.high_open,
+    )  # fmt: skip
+    for text in EDGES:
+        try:
+            MuonConfig(**{field: float(text)})
+            if dest == "lr":
+                check_train_lr("lr", float(text))
+            want = True
+        except ValueError:
+            want = False
+        try:
+            kind(text)
+            got = True
+        except argparse.ArgumentTypeError as err:
+            assert str(err).startswith("must be ") and ", got " in str(err), err
+            got = False
+        assert got == want, (dest, text)

@@ -27,6 +27,7 @@ from dist_checks import (
     make_optimizer,
     place,
     random_tensors,
+    set_placed_constant_grads,
 )
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -62,11 +63,6 @@ def _build(ctx: Context, specs: list[Spec], seed: int = 0, **kwargs):
     return params, make_optimizer(params, specs, **kwargs)
 
 
-def _grads(ctx: Context, params, specs: list[Spec], skip: set[int] = frozenset()) -> None:
-    for i, (p, s) in enumerate(zip(params, specs)):
-        p.grad = None if i in skip else place(ctx, s, torch.ones(s.shape) * (i + 1))
-
-
 def _expect_refused(ctx: Context, opt: Muon, params, fragments: list[str]) -> list[str]:
     """``opt.step()`` raises ValueError with ``fragments`` before any all-to-all; no change.
 
@@ -99,7 +95,7 @@ def _last(ctx: Context) -> bool:
 def _replicated_extra(ctx: Context) -> None:
     specs = [Spec((8, 6), (R,))] * 2 + [Spec((6, 6), (R,))] * _last(ctx)
     params, opt = _build(ctx, specs, split_replicas=True)
-    _grads(ctx, params, specs)
+    set_placed_constant_grads(ctx, params, specs)
     fail_on(_expect_refused(ctx, opt, params, [DISAGREE]))
 
 
@@ -107,7 +103,7 @@ def _replicated_extra(ctx: Context) -> None:
 def _replicated_shapes(ctx: Context) -> None:
     specs = [Spec((8, 6), (R,)), Spec((7, 6) if _last(ctx) else (6, 6), (R,))]
     params, opt = _build(ctx, specs, split_replicas=True)
-    _grads(ctx, params, specs)
+    set_placed_constant_grads(ctx, params, specs)
     fail_on(_expect_refused(ctx, opt, params, [DISAGREE, "7x6 matrices", "6x6 matrices"]))
 
 
@@ -115,7 +111,7 @@ def _replicated_shapes(ctx: Context) -> None:
 def _replicated_grad(ctx: Context) -> None:
     specs = [Spec((8, 6), (R,))] * 3
     params, opt = _build(ctx, specs, split_replicas=True)
-    _grads(ctx, params, specs, skip={1} if ctx.rank == 0 else set())
+    set_placed_constant_grads(ctx, params, specs, skip={1} if ctx.rank == 0 else set())
     fail_on(_expect_refused(ctx, opt, params, [GRADS_DISAGREE]))
 
 
@@ -124,7 +120,7 @@ def _hsdp_one_replica(ctx: Context) -> None:
     specs = [Spec((8, 6), (R, S0), "2d")] * 2
     params, opt = _build(ctx, specs, split_replicas=True)
     first_replica = ctx.rank < 2
-    _grads(ctx, params, specs, skip=set() if first_replica else {0, 1})
+    set_placed_constant_grads(ctx, params, specs, skip=set() if first_replica else {0, 1})
     fail_on(_expect_refused(ctx, opt, params, [GRADS_DISAGREE]))
 
 
@@ -137,7 +133,7 @@ def _setting_case(name: str, named: str, **per_rank) -> None:
         specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,))]
         kwargs = per_rank if _last(ctx) else {}
         params, opt = _build(ctx, specs, **kwargs)
-        _grads(ctx, params, specs)
+        set_placed_constant_grads(ctx, params, specs)
         last = ctx.world_size - 1
         fail_on(_expect_refused(ctx, opt, params, [DISAGREE, f"{named} (", f"rank {last}: "]))
 
@@ -158,7 +154,7 @@ _setting_case("per_rank_overlap", "overlap", overlap="forward")
 def _per_rank_partitions(ctx: Context) -> None:
     specs = [Spec((8, 6), (S0,), partitions=(4, 4) if _last(ctx) else None)]
     params, opt = _build(ctx, specs)
-    _grads(ctx, params, specs)
+    set_placed_constant_grads(ctx, params, specs)
     fail_on(_expect_refused(ctx, opt, params, [DISAGREE, "matrix_partitions ("]))
 
 
@@ -166,7 +162,7 @@ def _per_rank_partitions(ctx: Context) -> None:
 def _replicate_vs_shard(ctx: Context) -> None:
     specs = [Spec((8, 6), (R,) if ctx.rank == 0 else (S0,))]
     params, opt = _build(ctx, specs)
-    _grads(ctx, params, specs)
+    set_placed_constant_grads(ctx, params, specs)
     fail_on(_expect_refused(ctx, opt, params, [DISAGREE]))
 
 
@@ -174,12 +170,12 @@ def _replicate_vs_shard(ctx: Context) -> None:
 def _add_group_later(ctx: Context) -> None:
     specs = [Spec((8, 6), (S0,))]
     params, opt = _build(ctx, specs)
-    _grads(ctx, params, specs)
+    set_placed_constant_grads(ctx, params, specs)
     opt.step()
     extra_spec = Spec((9, 6) if _last(ctx) else (5, 6), (S0,))
     extra = nn.Parameter(place(ctx, extra_spec, torch.zeros(extra_spec.shape)))
     opt.add_param_group({"params": [extra], "algorithm": "muon"})
-    _grads(ctx, [*params, extra], [*specs, extra_spec])
+    set_placed_constant_grads(ctx, [*params, extra], [*specs, extra_spec])
     fail_on(_expect_refused(ctx, opt, [*params, extra], [DISAGREE]))
 
 
@@ -187,9 +183,9 @@ def _add_group_later(ctx: Context) -> None:
 def _grad_later(ctx: Context) -> None:
     specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,))]
     params, opt = _build(ctx, specs, check_grads="always")
-    _grads(ctx, params, specs)
+    set_placed_constant_grads(ctx, params, specs)
     opt.step()
-    _grads(ctx, params, specs, skip={1} if ctx.rank == 0 else set())
+    set_placed_constant_grads(ctx, params, specs, skip={1} if ctx.rank == 0 else set())
     fail_on(_expect_refused(ctx, opt, params, [GRADS_DISAGREE]))
 
 
@@ -198,7 +194,7 @@ def _check_cost(ctx: Context) -> None:
     """First step: one 4-element all-reduce per group; later steps (default): none."""
     specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,))]
     params, opt = _build(ctx, specs)
-    _grads(ctx, params, specs)
+    set_placed_constant_grads(ctx, params, specs)
     with counting_all_reduce() as first:
         opt.step()
     with counting_all_reduce() as second:
@@ -216,8 +212,8 @@ def _chunk_order(ctx: Context) -> None:
     specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,)), Spec((12, 6), (S0,))]
     params, opt = _build(ctx, specs)
     reference_params, reference = _build(ctx, specs)
-    _grads(ctx, params, specs)
-    _grads(ctx, reference_params, specs)
+    set_placed_constant_grads(ctx, params, specs)
+    set_placed_constant_grads(ctx, reference_params, specs)
     chunks = opt.chunks()
     problems = []
     if ctx.rank == 0:  # only rank 0 tries the wrong order; it must refuse locally

@@ -128,6 +128,27 @@ def random_tensors(shapes: list[tuple[int, ...]], seed: int) -> list[torch.Tenso
     return [torch.randn(shape, generator=generator) for shape in shapes]
 
 
+def set_placed_random_grads(
+    ctx: Context, params: list, specs: list[Spec], seed: int, reference: list | None = None
+) -> None:
+    """Give ``params`` the grads ``random_tensors(<the specs' shapes>, seed)``, laid out as
+    their specs say; ``reference`` (plain tensors, one process's twin), copies of the whole
+    grads."""
+    grads = random_tensors([s.shape for s in specs], seed)
+    for i, (spec, p, g) in enumerate(zip(specs, params, grads)):
+        p.grad = place(ctx, spec, g)
+        if reference is not None:
+            reference[i].grad = g.clone()
+
+
+def set_placed_constant_grads(
+    ctx: Context, params: list, specs: list[Spec], skip: set[int] = frozenset()
+) -> None:
+    """Grad ``i`` all ``i + 1``, laid out as spec ``i`` says; none for the indices ``skip``."""
+    for i, (p, s) in enumerate(zip(params, specs)):
+        p.grad = None if i in skip else place(ctx, s, torch.ones(s.shape) * (i + 1))
+
+
 def make_optimizer(params: list[torch.Tensor], specs: list[Spec], **kwargs) -> Muon:
     """Muon with one group per algorithm, params in spec order; partitions from the specs."""
     groups = []
@@ -491,6 +512,29 @@ def compare_states(
     if steps != ref_steps:
         problems.append(f"{label}: group step counters {steps}, single-process {ref_steps}")
     return problems
+
+
+def assert_same_locals(label: str, pairs) -> None:
+    """Each pair of tensors holds the same piece on this rank, bitwise (DTensors: their local
+    shards; no collective)."""
+    for k, (a, b) in enumerate(pairs):
+        assert torch.equal(local_tensor(a), local_tensor(b)), f"{label}: tensor {k}"
+
+
+def assert_same_local_optimizers(
+    opt_a: Muon, params_a: list, opt_b: Muon, params_b: list, label: str = ""
+) -> None:
+    """This rank's pieces of the params and of every state tensor bitwise equal: the twin of
+    ``checks.assert_same_optimizers`` for two runs laid out alike (no collective)."""
+    prefix = f"{label}: " if label else ""
+    assert_same_locals(f"{prefix}params", zip(params_a, params_b))
+    for k, (p, q) in enumerate(zip(params_a, params_b)):
+        for key, value in opt_a.state[p].items():
+            if torch.is_tensor(value):
+                other = opt_b.state[q][key]
+                assert torch.equal(local_tensor(value), local_tensor(other)), (
+                    f"{prefix}param {k} state {key}"
+                )
 
 
 def _comparable(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

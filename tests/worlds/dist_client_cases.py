@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from dist_checks import Context, fail_on, make_context, random_tensors
-from dist_escape_cases import issued_collectives
+from dist_collective_pairing_cases import issued_collectives
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor

@@ -7,7 +7,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from dist_checks import S0, S1, Context, Spec, compare_with_single, make_context
+from dist_checks import (
+    S0,
+    S1,
+    Context,
+    Spec,
+    assert_same_local_optimizers,
+    assert_same_locals,
+    compare_with_single,
+    make_context,
+)
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
@@ -69,10 +78,7 @@ def fully_shard_model_bitwise(ctx: Context) -> None:
     a, b = _optimizer(plain), _optimizer(offloaded, offload="state")
     _train(plain, a, range(3))
     _train(offloaded, b, range(3))
-    for p, q in zip(plain.parameters(), offloaded.parameters()):
-        assert torch.equal(local_tensor(p), local_tensor(q))
-        for key in a.state[p]:
-            assert torch.equal(local_tensor(a.state[p][key]), local_tensor(b.state[q][key]))
+    assert_same_local_optimizers(a, list(plain.parameters()), b, list(offloaded.parameters()))
     stats = b.last_step_stats
     assert stats.offload_bytes_loaded == stats.offload_bytes_stored > 0
 
@@ -104,8 +110,7 @@ def dcp_state_dict_round_trip(ctx: Context) -> None:
     resumed = _optimizer(resumed_model, offload="state")
     set_optimizer_state_dict(resumed_model, resumed, saved)
     _train(resumed_model, resumed, range(2, 4))
-    for p, q in zip(reference.parameters(), resumed_model.parameters()):
-        assert torch.equal(local_tensor(p), local_tensor(q))
+    assert_same_locals("params", zip(reference.parameters(), resumed_model.parameters()))
 
 
 def _shared_dir() -> str:
@@ -146,11 +151,13 @@ def prime_rl_in_place_dcp_resume_bitwise(ctx: Context) -> None:
         assert [g["step"] for g in resumed.param_groups] == [0, 0]  # not restored, as in prime-rl
         _train(resumed_model, resumed, range(3, 6))
         assert [g["step"] for g in resumed.param_groups] == [6, 6], offload
-        for k, (p, q) in enumerate(zip(reference.parameters(), resumed_model.parameters())):
-            assert torch.equal(local_tensor(p), local_tensor(q)), f"offload={offload}: param {k}"
-            for key in ref_opt.state[p]:
-                a, b = ref_opt.state[p][key], resumed.state[q][key]
-                assert torch.equal(local_tensor(a), local_tensor(b)), f"param {k} state {key}"
+        assert_same_local_optimizers(
+            ref_opt,
+            list(reference.parameters()),
+            resumed,
+            list(resumed_model.parameters()),
+            f"offload={offload}",
+        )
 
 
 CASES: dict[str, Callable[[Context], None]] = {

@@ -14,14 +14,24 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from dist_checks import S0, S1, Context, Spec, make_context, make_optimizer, place, random_tensors
+from dist_checks import (
+    S0,
+    S1,
+    Context,
+    Spec,
+    assert_same_local_optimizers,
+    make_context,
+    make_optimizer,
+    place,
+    random_tensors,
+    set_placed_random_grads,
+)
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
 
 import shardmuon.runtime.overlap as overlap_module
 from shardmuon import Muon
-from shardmuon.planning.placements import local_tensor
 from shardmuon.runtime.overlap import OverlapError
 
 __all__ = ["CASES", "make_context"]
@@ -55,20 +65,6 @@ class RandomDelays:
         overlap_module.OverlappedStep._mark = self.mark
 
 
-def _same_locals(label: str, pairs) -> None:
-    for k, (a, b) in enumerate(pairs):
-        assert torch.equal(local_tensor(a), local_tensor(b)), f"{label}: tensor {k}"
-
-
-def _assert_same_optimizers(a: Muon, b: Muon, params_a, params_b) -> None:
-    _same_locals("params", zip(params_a, params_b))
-    for k, (p, q) in enumerate(zip(params_a, params_b)):
-        for key, value in a.state[p].items():
-            other = b.state[q][key]
-            if torch.is_tensor(value):
-                assert torch.equal(local_tensor(value), local_tensor(other)), f"{k} {key}"
-
-
 # ------------------------------------------------------------ placements, no model
 
 SPEC_SETS: dict[str, list[Spec]] = {
@@ -98,15 +94,13 @@ def _specs_bitwise(ctx: Context, specs: list[Spec], **kwargs) -> None:
     b = make_optimizer(overlapped, specs, overlap="forward", **settings)
     with RandomDelays(ctx.rank):
         for step in range(STEPS):
-            grads = random_tensors([s.shape for s in specs], 100 + step)
             # New grads while the last step may still run: it holds the grads it began with.
-            for spec, p, q, g in zip(specs, plain, overlapped, grads):
-                p.grad = place(ctx, spec, g)
-                q.grad = place(ctx, spec, g)
+            set_placed_random_grads(ctx, plain, specs, 100 + step)
+            set_placed_random_grads(ctx, overlapped, specs, 100 + step)
             a.step()
             b.step()
     b.synchronize()
-    _assert_same_optimizers(a, b, plain, overlapped)
+    assert_same_local_optimizers(a, plain, b, overlapped)
 
 
 def placements_bitwise(ctx: Context) -> None:
@@ -168,7 +162,7 @@ def _models_bitwise(ctx: Context, wrap: Callable[[nn.Module], nn.Module], **kwar
         losses_b = _train(ctx, overlapped, b, range(STEPS))
     assert losses_a == losses_b  # every forward saw the updated weights
     b.synchronize()
-    _assert_same_optimizers(a, b, list(plain.parameters()), list(overlapped.parameters()))
+    assert_same_local_optimizers(a, list(plain.parameters()), b, list(overlapped.parameters()))
 
 
 def _fully_shard(mesh) -> Callable[[nn.Module], nn.Module]:
@@ -218,7 +212,7 @@ def pipeline_stages_bitwise(ctx: Context) -> None:
         losses_b = _train(ctx, overlapped, b, range(6))
     assert losses_a == losses_b, f"stage {stage}"
     b.synchronize()
-    _assert_same_optimizers(a, b, list(plain.parameters()), list(overlapped.parameters()))
+    assert_same_local_optimizers(a, list(plain.parameters()), b, list(overlapped.parameters()))
 
 
 # ------------------------------------------------------------ faults
@@ -250,8 +244,8 @@ def a_failure_on_every_rank_raises_alike_and_a_restore_recovers(ctx: Context) ->
     _train(ctx, model, opt, range(2, 5))
     _train(ctx, reference_model, reference, range(2, 5))
     opt.synchronize()
-    _assert_same_optimizers(
-        reference, opt, list(reference_model.parameters()), list(model.parameters())
+    assert_same_local_optimizers(
+        reference, list(reference_model.parameters()), opt, list(model.parameters())
     )
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import transformers
 from dist_cases import expect_raises
 from dist_checks import Context, fail_on, make_context
-from dist_escape_cases import issued_collectives
+from dist_collective_pairing_cases import issued_collectives
 
 from shardmuon.harness.parallel import apply_layout
 from shardmuon.planning.placements import local_slice, local_tensor

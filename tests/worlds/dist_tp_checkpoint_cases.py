@@ -19,6 +19,7 @@ from dist_checks import (
     make_optimizer,
     place,
     random_tensors,
+    set_placed_random_grads,
 )
 from dist_tp_checks import SS0, WORLD4, WORLD8, TPContext, tp_registry
 from dist_tp_model_cases import TPModel, fsdp_index, parallelize
@@ -48,14 +49,8 @@ def _state_dict(ctx: TPContext) -> None:
     ref = make_optimizer(ref_params, specs, **kwargs)
     opt = make_optimizer(params, specs, **kwargs)
 
-    def set_grads(targets: list, step: int) -> None:
-        grads = random_tensors([s.shape for s in specs], 300 + step)
-        for s, r, p, g in zip(specs, ref_params, targets, grads):
-            r.grad = g.clone()
-            p.grad = place(ctx, s, g)
-
     for step in range(2):
-        set_grads(params, step)
+        set_placed_random_grads(ctx, params, specs, 300 + step, ref_params)
         ref.step()
         opt.step()
     saved = copy.deepcopy(opt.state_dict())
@@ -63,7 +58,7 @@ def _state_dict(ctx: TPContext) -> None:
     resumed = make_optimizer(resumed_params, specs, **kwargs)
     resumed.load_state_dict(saved)
     for step in range(2, 4):
-        set_grads(resumed_params, step)
+        set_placed_random_grads(ctx, resumed_params, specs, 300 + step, ref_params)
         ref.step()
         resumed.step()
     problems = compare_states(specs, resumed, resumed_params, ref, ref_params, "resumed")

@@ -17,6 +17,7 @@ from dist_checks import (
     make_optimizer,
     place,
     random_tensors,
+    set_placed_random_grads,
 )
 from torch import nn
 
@@ -41,17 +42,11 @@ def _build(ctx: Context, budget: int):
     return params, opt
 
 
-def _set_grads(ctx: Context, params, step: int) -> None:
-    grads = random_tensors([s.shape for s in SPECS], 100 + step)
-    for spec, p, g in zip(SPECS, params, grads):
-        p.grad = place(ctx, spec, g)
-
-
 def transient_under_budget(ctx: Context) -> None:
     params, opt = _build(ctx, BUDGET)
-    _set_grads(ctx, params, 0)
+    set_placed_random_grads(ctx, params, SPECS, 100)
     opt.step()
-    _set_grads(ctx, params, 1)
+    set_placed_random_grads(ctx, params, SPECS, 101)
     memory = measure_cpu_step(opt.step, 0)
     stats = opt.last_step_stats
     estimate = stats.workspace_peak_bytes
@@ -65,9 +60,9 @@ def transient_under_budget(ctx: Context) -> None:
     assert estimate <= BUDGET, (ctx.rank, estimate)
     # a generous budget really holds more in flight (the cap is what bounds it)
     params, opt = _build(ctx, 64 * 2**20)
-    _set_grads(ctx, params, 0)
+    set_placed_random_grads(ctx, params, SPECS, 100)
     opt.step()
-    _set_grads(ctx, params, 1)
+    set_placed_random_grads(ctx, params, SPECS, 101)
     generous = measure_cpu_step(opt.step, 0)
     assert generous.transient_bytes > memory.transient_bytes, (generous, memory)
 
@@ -81,7 +76,7 @@ def tight_budget_bitwise_and_minimum_bytes(ctx: Context) -> None:
 
 def ranks_disagreeing_on_the_budget_are_refused(ctx: Context) -> None:
     params, opt = _build(ctx, BUDGET if ctx.rank == 0 else 2 * BUDGET)
-    _set_grads(ctx, params, 0)
+    set_placed_random_grads(ctx, params, SPECS, 100)
     before = [p.to_local().clone() for p in params]
     problems = expect_raises(ValueError, ["disagree on the Muon step"], opt.step)
     assert not problems, "\n".join(problems)

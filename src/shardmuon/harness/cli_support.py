@@ -101,13 +101,19 @@ class Number:
             if text.strip().lstrip("+-").lower() not in ("inf", "infinity", "nan"):
                 shown = f"{text} (overflows to {value!r})"
             raise argparse.ArgumentTypeError(f"must be {self.accepted}, got {shown}")
+        if not self.accepts(value):
+            raise argparse.ArgumentTypeError(f"must be {self.accepted}, got {shown}")
+        return value
+
+    def accepts(self, value) -> bool:
+        """Whether ``value`` (a finite number of this kind) is in the range. A subclass may
+        hand the decision to the check that owns the range (``shardmuon train``'s optimizer
+        flags: ``MuonConfig``'s validators)."""
         below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
         above = self.high is not None and (
             value >= self.high if self.high_open else value > self.high
         )
-        if below or above:
-            raise argparse.ArgumentTypeError(f"must be {self.accepted}, got {shown}")
-        return value
+        return not (below or above)
 
     def __repr__(self) -> str:
         return f"Number({self.accepted})"

@@ -5,18 +5,19 @@ setting a resume fixes, a default that depends on ``--task``, a flag of one task
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
+from typing import Any
 
+from shardmuon.config import FIELD_RANGES, NumberRange, check_setting
 from shardmuon.harness.cli_support import (
     LAYERS_HELP,
     Number,
     add_hidden_alias,
     int_at_least,
-    nonnegative_float,
     nonnegative_int,
-    positive_float,
     positive_int,
     seed_int,
-    unit_interval,
 )
 from shardmuon.harness.machine import DTYPE_NAMES, DTYPES
 from shardmuon.harness.models import MODEL_PRESETS
@@ -28,7 +29,9 @@ from shardmuon.train.config import (
     LM_LEARNING_RATES,
     OPTIMIZERS,
     TRAIN_LAYOUTS,
+    TRAIN_LR_RANGE,
     TrainConfig,
+    check_train_lr,
 )
 from shardmuon.train.lm_data import DATA_SUFFIXES
 from shardmuon.train.schedule import MIN_LR_FRACTION, SCHEDULES
@@ -39,10 +42,12 @@ __all__ = [
     "OPTIM_FLAGS",
     "TASK_DEFAULTS",
     "TASK_ONLY",
+    "SettingNumber",
     "add_data_flags",
     "add_model_flags",
     "add_optimizer_flags",
     "add_run_flags",
+    "setting_type",
 ]
 
 # Flags whose default depends on --task: dest -> (reverse's default, lm's default).
@@ -87,6 +92,34 @@ TASK_ONLY = {
 }
 
 
+class SettingNumber(Number):
+    """The ``type=`` of a float flag whose range is owned by the config it sets: described
+    by ``limits`` (a :class:`~shardmuon.config.NumberRange`) and decided by ``checks``
+    (callables of the value that raise ``ValueError``: ``MuonConfig``'s own validation,
+    training's lr rule), so that the flag takes what the config takes and nothing else. A
+    refusal is :class:`Number`'s one line: ``--mu must be in [0, 1), got 2.0``."""
+
+    def __init__(self, limits: NumberRange, *checks: Callable[[Any], object]) -> None:
+        super().__init__(
+            float, limits.low, limits.high, low_open=limits.low_open, high_open=limits.high_open
+        )
+        self.checks = checks
+
+    def accepts(self, value) -> bool:
+        try:
+            for check in self.checks:
+                check(value)
+        except ValueError:
+            return False
+        return True
+
+
+def setting_type(field: str, *checks: Callable[[Any], object]) -> SettingNumber:
+    """The ``type=`` of the flag that sets ``MuonConfig``'s numeric setting ``field``: its
+    range (``FIELD_RANGES``), checked by ``MuonConfig``'s validators, then ``checks``."""
+    return SettingNumber(FIELD_RANGES[field], functools.partial(check_setting, field), *checks)
+
+
 def _fixed_help(text: str, default: object) -> str:
     return f"{text} (default: {default}; on --resume: the checkpoint's)"
 
@@ -117,6 +150,15 @@ def add_model_flags(train) -> None:
     add_hidden_alias(train, "--num-layers", "num_layers", type=positive_int)
 
 
+# --lr sets MuonConfig's lr and --adamw-lr TrainConfig's adamw_lr: training's range, > 0.
+_TRAIN_LR = SettingNumber(
+    TRAIN_LR_RANGE,
+    functools.partial(check_setting, "lr"),
+    functools.partial(check_train_lr, "lr"),
+)
+_TRAIN_ADAMW_LR = SettingNumber(TRAIN_LR_RANGE, functools.partial(check_train_lr, "adamw_lr"))
+
+
 def add_optimizer_flags(train) -> None:
     optim = TrainConfig().optim
     train.add_argument(
@@ -142,16 +184,16 @@ def add_optimizer_flags(train) -> None:
             "'aol' coefficients unless --coefficients is given)", "none"),
     )  # fmt: skip
     train.add_argument(
-        "--update-rms", type=positive_float, default=None,
+        "--update-rms", type=setting_type("update_rms"), default=None,
         help=_fixed_help("update RMS of Muon's rms_norm scaling", optim.update_rms),
     )  # fmt: skip
     train.add_argument(
-        "--lr", type=positive_float, default=None,
+        "--lr", type=_TRAIN_LR, default=None,
         help=_fixed_help("peak learning rate", f"{optim.lr}; {_lm_rates()}"),
     )  # fmt: skip
     lm_adamw_lr = LM_LEARNING_RATES["muon"]["adamw_lr"]
     train.add_argument(
-        "--adamw-lr", type=positive_float, default=None,
+        "--adamw-lr", type=_TRAIN_ADAMW_LR, default=None,
         help=_fixed_help(
             "peak lr of Muon's AdamW group (embeddings, norms, head)",
             f"--lr; --task lm: {lm_adamw_lr}"),
@@ -167,11 +209,11 @@ def add_optimizer_flags(train) -> None:
             "peak at the last step", "schedule"),
     )  # fmt: skip
     train.add_argument(
-        "--weight-decay", type=nonnegative_float, default=None,
+        "--weight-decay", type=setting_type("weight_decay"), default=None,
         help=_fixed_help("decoupled weight decay", optim.weight_decay),
     )  # fmt: skip
     train.add_argument(
-        "--mu", type=Number(float, 0, 1, high_open=True), default=None,
+        "--mu", type=setting_type("mu"), default=None,
         help=_fixed_help("Muon momentum, in [0, 1)", optim.mu),
     )  # fmt: skip
     train.add_argument(
@@ -194,12 +236,12 @@ def add_optimizer_flags(train) -> None:
         "held the loop and the forward waited",
     )
     train.add_argument(
-        "--qk-clip-threshold", type=positive_float, default=None, metavar="TAU",
+        "--qk-clip-threshold", type=setting_type("qk_clip_threshold"), default=None, metavar="TAU",
         help="QK-clip: after each step, scale the query/key rows of every attention head whose "
         "max logit exceeded TAU (shardmuon.qk_clip.QKClip; Kimi K2 uses 100); off by default",
     )  # fmt: skip
     train.add_argument(
-        "--qk-clip-alpha", type=unit_interval, default=None, metavar="A",
+        "--qk-clip-alpha", type=setting_type("qk_clip_alpha"), default=None, metavar="A",
         help="QK-clip: the query's share of the scale, in [0, 1] "
         f"(default {optim.qk_clip_alpha})",
     )  # fmt: skip

@@ -20,7 +20,7 @@ from typing import Any
 import pydantic
 import torch
 
-from shardmuon.config import MuonConfig
+from shardmuon.config import MuonConfig, NumberRange, config_error
 from shardmuon.harness.cli_support import check_outputs
 from shardmuon.harness.processes import check_process_count
 from shardmuon.train.schedule import SCHEDULES
@@ -30,8 +30,10 @@ __all__ = [
     "EXPERT_MESH_NAME",
     "OPTIMIZERS",
     "TRAIN_LAYOUTS",
+    "TRAIN_LR_RANGE",
     "TrainConfig",
     "TrainResult",
+    "check_train_lr",
     "config_dict",
     "optim_settings",
     "range_means",
@@ -55,20 +57,28 @@ LOSS_RANGES: tuple[tuple[int, int], ...] = (
 EXPERT_MESH_NAME = "ep"
 
 
+# Training needs a positive lr (MuonConfig takes 0: a frozen optimizer): the range of
+# optim.lr and adamw_lr, checked by TrainConfig.validate() and by --lr / --adamw-lr.
+TRAIN_LR_RANGE = NumberRange(0.0, low_open=True)
+
+
+def check_train_lr(name: str, value: Any) -> None:
+    """``ValueError`` in one line unless ``value`` is a learning rate training takes."""
+    if value not in TRAIN_LR_RANGE:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
 def optim_settings(base: MuonConfig | None = None, **changes: Any) -> MuonConfig:
     """A :class:`MuonConfig`: ``base``'s explicitly set fields with ``changes`` on top.
 
-    Raises ``ValueError`` in one line (pydantic's first error: the field, what was given
-    and what is accepted) instead of pydantic's multi-line report.
+    Raises ``ValueError`` in one line (:func:`shardmuon.config.config_error`: the field,
+    what was given and what is accepted) instead of pydantic's multi-line report.
     """
     given = {} if base is None else base.model_dump(exclude_unset=True)
     try:
         return MuonConfig(**{**given, **changes})
     except pydantic.ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        message = str(first["msg"]).removeprefix("Value error, ")
-        raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
+        raise ValueError(config_error(err)) from None
 
 
 def _train_optim() -> MuonConfig:
@@ -187,10 +197,9 @@ class TrainConfig:
                 )
 
     def _validate_schedule(self) -> None:
-        # Training needs a positive lr (MuonConfig takes 0: a frozen optimizer).
-        for name, value in (("lr", self.optim.lr), ("adamw_lr", self.adamw_lr)):
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        check_train_lr("lr", self.optim.lr)
+        if self.adamw_lr is not None:
+            check_train_lr("adamw_lr", self.adamw_lr)
         if self.adamw_lr is not None and self.optimizer == "adamw":
             raise ValueError(
                 f"adamw_lr {self.adamw_lr!r} is the lr of Muon's AdamW group; optimizer "

@@ -1,6 +1,7 @@
-"""Escapes found by attacking the optimizer (issue #19), on gloo: every case is compared with
-an independent reference (the same optimizer on one process, bitwise) and records the
-collectives each rank issues, which must pair up across the members of every group.
+"""Collective pairing on gloo: the collectives each rank issues must pair up across the
+members of every group, and every case is compared with an independent reference (the same
+optimizer on one process, bitwise). The cases are escapes found by attacking the optimizer
+(issue #19).
 
 * Meshes whose ranks are not in ascending row-major order (a permuted rank tensor, a
   reversed 1-D mesh, transposed and permuted 2-D and 3-D meshes, flattened or not).
