@@ -18,6 +18,8 @@ RES=$(mktemp -d)
 MODEL=${GPU_CHECK_MODEL:-qwen3-30b-a3b}
 LAYERS=${GPU_CHECK_LAYERS:-4}
 STEPS=${GPU_CHECK_STEPS:-6}
+BIG_LAYERS=${GPU_CHECK_BIG_LAYERS:-4}
+STEP_IMPLS=${GPU_CHECK_STEP_IMPLS:-shardmuon,shardmuon-gram,shardmuon-unfolded,adamw}
 NS_SHAPES=${GPU_CHECK_NS_SHAPES:-}
 ONLY=${ONLY:-}
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -60,9 +62,13 @@ SHAPES=()
 # three input kinds; AOL's 4-step preset beside dion's.
 step ns 60 $B bench ns "${SHAPES[@]}" --coefficients dion,aol --dtypes bf16,fp16,fp32 --no-progress \
   --json "$RES/ns.json"
+# Where a call's time goes: folded with reused buffers vs fresh outputs vs unfolded, the
+# whole call with dion's and AOL's schedules, and the divergence guard's pieces.
+step pieces 60 $PY scripts/ns_gpu_pieces.py ${NS_SHAPES:+--shapes "$NS_SHAPES" --repeats 2} \
+  --json "$RES/pieces.json"
 STEP=(bench step --nproc 1 --layout none --model "$MODEL" --layers "$LAYERS" --steps "$STEPS" --no-progress)
 # One-GPU optimizer step on real-model shapes, standard vs Gram engine vs AdamW.
-step step 60 $B "${STEP[@]}" --impl shardmuon,shardmuon-gram,shardmuon-unfolded,adamw --order abba \
+step step 60 $B "${STEP[@]}" --impl "$STEP_IMPLS" --order abba \
   --json "$RES/step.json"
 # AOL: one Newton-Schulz iteration fewer; and the measured "auto" (calibrated per shape
 # class on this GPU).
@@ -82,7 +88,7 @@ for round in 1 2; do
   done
 done
 for overlap in none forward; do
-  step "train-big-$overlap" 45 $B train --nproc 1 --model "$MODEL" --layers 2 --steps "$STEPS" \
+  step "train-big-$overlap" 45 $B train --nproc 1 --model "$MODEL" --layers "$BIG_LAYERS" --steps "$STEPS" \
     --overlap "$overlap" --no-progress --json "$RES/train-big-$overlap.json"
 done
 step ab 25 $B bench ab --model tiny-moe --steps 3 --no-progress --json "$RES/ab.json"
