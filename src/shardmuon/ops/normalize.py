@@ -31,6 +31,7 @@ __all__ = [
     "Normalized",
     "frobenius_norm_fp32",
     "normalize",
+    "normalize_without_sync",
 ]
 
 # Elements of one float32 temporary in the division (16 MiB): the fp32 copy of a large
@@ -103,16 +104,7 @@ def normalize(
     if out is None:
         out = torch.empty(X.shape, dtype=dtype, device=X.device)
     if X.device.type != "cpu":
-        # One pass, no synchronisation: fp64 holds the square of any fp32 value, and the
-        # power-of-two prescale keeps the divisor an fp32 number.
-        norm64 = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
-        prescale = _power_of_two_below(norm64)
-        denom = (norm64 * prescale).to(torch.float32)
-        nonfinite = ~torch.isfinite(denom)
-        denom.add_(prescale * eps)
-        _divide(out, X, denom, prescale)
-        out.masked_fill_(nonfinite, 0.0)
-        return Normalized(out, nonfinite.flatten())
+        return normalize_without_sync(X, eps, out)
     denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
     suspects = _suspects(denom, eps)  # a [B] check on the host: free on a CPU
     nonfinite = torch.zeros(batch, dtype=torch.bool, device=X.device)
@@ -136,17 +128,32 @@ def normalize(
     return Normalized(out, nonfinite)
 
 
+def normalize_without_sync(X: Tensor, eps: float, out: Tensor) -> Normalized:
+    """:func:`normalize`'s accelerator branch (public for tests on any device): one pass,
+    no synchronisation. fp64 holds the square of any fp32 value, and the power-of-two
+    prescale keeps the divisor an fp32 number; the mask is applied unconditionally."""
+    norm64 = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
+    prescale = _power_of_two_below(norm64)
+    denom = (norm64 * prescale).to(torch.float32)
+    nonfinite = ~torch.isfinite(denom)
+    denom.add_(prescale * eps)
+    _divide(out, X, denom, prescale)
+    out.masked_fill_(nonfinite, 0.0)
+    return Normalized(out, nonfinite.flatten())
+
+
 def _divide(out: Tensor, X: Tensor, denom: Tensor, prescale: Tensor | None) -> None:
     """``out = X * prescale / denom`` per matrix, in fp32 slices of at most
     ``NORMALIZE_CHUNK_ELEMENTS`` elements (the same bits as whole)."""
     batch, rows, cols = X.shape
 
     def divide_into(target: Tensor, source: Tensor, divisor: Tensor, pre: Tensor | None) -> None:
-        # One fp32 copy, scaled and divided in place (a mixed-dtype div adds a second one).
-        quotient = source.to(torch.float32, copy=True)
+        # The quotient is computed in fp32 (the divisor's dtype) and rounded once into the
+        # target's dtype by the division itself: no fp32 copy of an fp32 source, and on an
+        # accelerator no fp32 temporary at all (the kernel casts as it loads and stores).
         if pre is not None:
-            quotient.mul_(pre)
-        target.copy_(quotient.div_(divisor))
+            source = source * pre  # fp32, exact: pre is a power of two
+        torch.div(source, divisor, out=target)
 
     def at(t: Tensor | None, index) -> Tensor | None:
         return None if t is None else t[index]
