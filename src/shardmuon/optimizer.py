@@ -243,7 +243,7 @@ class Muon(Optimizer):
             self.rotate_owners,
             self.split_replicas,
             self.workspace_bytes,
-            self._newton_schulz().cost(self._device().type),
+            self._newton_schulz_settings().cost(self._device().type),
         )
 
     def _make_plan(self, param_groups: list[dict] | None = None) -> Plan:
@@ -351,7 +351,7 @@ class Muon(Optimizer):
         self._state_stager = stager_for(self._state_stager, device, self.offload_prefetch, stats)
         return self._state_stager
 
-    def _newton_schulz(self) -> NewtonSchulzSettings:
+    def _newton_schulz_settings(self) -> NewtonSchulzSettings:
         """The live Newton–Schulz settings, resolved (``ops/orthogonalizer.py``)."""
         return NewtonSchulzSettings.from_settings(self._settings())
 
@@ -359,9 +359,8 @@ class Muon(Optimizer):
         """``"auto"``: measure the candidates on this plan's shape classes, once; every rank
         gets here together (``runtime/calibration.py``)."""
         if self.newton_schulz_impl == "auto" and self._auto_choices is None:
-            self._auto_choices = calibrate_plan(
-                self._plan.batches, self._newton_schulz(), self._device(), self.defaults["epsilon"]
-            )
+            ns, eps = self._newton_schulz_settings(), self.defaults["epsilon"]
+            self._auto_choices = calibrate_plan(self._plan.batches, ns, self._device(), eps)
 
     def _context(self) -> StepContext:
         return StepContext(
@@ -369,7 +368,7 @@ class Muon(Optimizer):
             param_groups=self.param_groups,
             state=self.state,
             stats=self.last_step_stats,
-            orthogonalizer=self._newton_schulz().orthogonalizer(self._auto_choices),
+            orthogonalizer=self._newton_schulz_settings().orthogonalizer(self._auto_choices),
             coefficients=self.coefficients,
             device=self._device(),
             workspace_bytes=self.workspace_bytes,
@@ -424,7 +423,7 @@ class Muon(Optimizer):
 
     def _check_agreement(self) -> None:
         """Every group's ranks agree on batches, settings and grads (see ``runtime/agreement.py``)."""
-        ns = self._newton_schulz()  # one spelling per value: "float32" is torch.float32
+        ns = self._newton_schulz_settings()  # one spelling per value: "float32" is torch.float32
         settings = {**self._settings(AGREED_SETTINGS), "coefficients": ns.coefficients}
         settings["newton_schulz_dtype"] = str(ns.dtype)
         compare_grads = self.check_grads != "never"

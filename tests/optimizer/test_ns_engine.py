@@ -91,6 +91,28 @@ def test_an_explicit_false_turns_the_guard_off_under_auto_too() -> None:
     assert Orthogonalizer("folded", guard=True).guards == {"folded": True}
 
 
+@pytest.mark.parametrize(("guard", "checked"), [(None, 5), (False, 0), (True, 6)])
+def test_a_muon_step_under_auto_guards_its_gram_calls_as_told(
+    monkeypatch: pytest.MonkeyPatch, guard: bool | None, checked: int
+) -> None:
+    """The whole optimizer, not only the Orthogonalizer: with ``"auto"`` measured to pick
+    Gram for every non-square class, ``newton_schulz_guard=False`` checks no matrix, the
+    default checks every Gram result and ``True`` every result."""
+    from shardmuon.runtime import calibration
+
+    monkeypatch.setattr(calibration, "_CHOICES", {})
+    monkeypatch.setattr(
+        calibration, "time_engines", lambda *args, **kwargs: {"folded": 2.0, "gram": 1.0}
+    )
+    ps = _params()
+    opt = Muon(ps, newton_schulz_impl="auto", newton_schulz_guard=guard)
+    set_random_grads(ps, 0)
+    opt.step()
+    stats = opt.last_step_stats
+    # 16x48, 48x16 and the 3 matrices of 3x8x32 run Gram; the square 24x24 runs folded.
+    assert stats.ns_checked == checked, stats
+
+
 def test_the_guard_is_off_by_default_for_the_standard_iteration() -> None:
     ps = _params()
     opt = Muon(ps)

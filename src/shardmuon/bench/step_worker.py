@@ -130,7 +130,7 @@ def replay_newton_schulz(
     all ranks run theirs at the same time, as in the step; a rank with no calls still joins
     the barriers.
     """
-    implementation = opt._newton_schulz().orthogonalizer(opt._auto_choices)
+    implementation = opt._newton_schulz_settings().orthogonalizer(opt._auto_choices)
     eps = float(opt.defaults["epsilon"])
     gen = torch.Generator(device=ctx.device).manual_seed(name_seed("ns", ctx.rank))
     inputs = [
