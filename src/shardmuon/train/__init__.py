@@ -1,4 +1,5 @@
-"""``shardmuon train``: reverse-text SFT of a tiny Qwen3 / Qwen3-MoE with FSDP2 + DCP checkpoints."""
+"""``shardmuon train``: a tiny Hugging Face model with FSDP2 + DCP checkpoints, on
+reverse-text SFT or byte-level LM pretraining."""
 
 from shardmuon.train.checkpoint import CheckpointError, CorruptCheckpointError
 from shardmuon.train.config import TrainConfig, TrainResult, range_means
