@@ -137,23 +137,34 @@ def normalize_without_sync(X: Tensor, eps: float, out: Tensor) -> Normalized:
     denom = (norm64 * prescale).to(torch.float32)
     nonfinite = ~torch.isfinite(denom)
     denom.add_(prescale * eps)
-    _divide(out, X, denom, prescale)
+    _divide(out, X, denom, prescale, fused=True)
     out.masked_fill_(nonfinite, 0.0)
     return Normalized(out, nonfinite.flatten())
 
 
-def _divide(out: Tensor, X: Tensor, denom: Tensor, prescale: Tensor | None) -> None:
+def _divide(
+    out: Tensor, X: Tensor, denom: Tensor, prescale: Tensor | None, fused: bool = False
+) -> None:
     """``out = X * prescale / denom`` per matrix, in fp32 slices of at most
-    ``NORMALIZE_CHUNK_ELEMENTS`` elements (the same bits as whole)."""
+    ``NORMALIZE_CHUNK_ELEMENTS`` elements (the same bits as whole).
+
+    ``fused`` (the accelerator branch): the division rounds its fp32 quotient into
+    ``out``'s dtype itself — on an accelerator the kernel casts as it loads and stores, so a
+    slice is one or two kernels and no fp32 copy. Not on a CPU: there a mixed-dtype
+    division makes an fp32 temporary of each mismatched operand and of its result, twice
+    the one fp32 copy that the unfused slice holds. Both give the same bits."""
     batch, rows, cols = X.shape
 
     def divide_into(target: Tensor, source: Tensor, divisor: Tensor, pre: Tensor | None) -> None:
-        # The quotient is computed in fp32 (the divisor's dtype) and rounded once into the
-        # target's dtype by the division itself: no fp32 copy of an fp32 source, and on an
-        # accelerator no fp32 temporary at all (the kernel casts as it loads and stores).
+        if fused:
+            if pre is not None:
+                source = source * pre  # fp32, exact: pre is a power of two
+            torch.div(source, divisor, out=target)
+            return
+        quotient = source.to(torch.float32, copy=True)  # the slice's one fp32 temporary
         if pre is not None:
-            source = source * pre  # fp32, exact: pre is a power of two
-        torch.div(source, divisor, out=target)
+            quotient.mul_(pre)
+        target.copy_(quotient.div_(divisor))
 
     def at(t: Tensor | None, index) -> Tensor | None:
         return None if t is None else t[index]
