@@ -5,7 +5,8 @@ Times (median of ``--repeats`` after warm-ups, device-synchronised) on each shap
 * the folded iteration as the engine runs it (``out=`` buffers reused), the same GEMMs
   writing fresh tensors, and dion's unfolded recipe — with each one's relative distance
   to the folded iteration run in fp64 on the same input;
-* the whole call (normalisation included) with dion's 5 steps and with AOL's 4;
+* the whole call (normalisation included) with dion's 5 steps and with AOL's 4, and the
+  normalisation alone (fp32 input, bf16 output);
 * the divergence guard's pieces on a Gram result: ``O O^T`` in fp32 (the guard's product),
   the same product from the bf16 values with fp32 output where the backend has it, the
   Frobenius test, one batched ``cholesky_ex``, ``eigvalsh``, and a guarded Gram call
@@ -34,6 +35,7 @@ from shardmuon.ops.newton_schulz import (
 )
 from shardmuon.ops.newton_schulz_gram import newton_schulz_gram
 from shardmuon.ops.newton_schulz_guard import GUARD_SLACK, band_high, guarded
+from shardmuon.ops.normalize import normalize
 
 
 def _sync(device: torch.device) -> None:
@@ -85,6 +87,8 @@ def measure(shape: tuple[int, int, int], device: torch.device, repeats: int) -> 
         row[f"{name} ms"] = timed(fn, device, repeats)
         row[f"{name} err"] = distance(fn())
     row["call dion ms"] = timed(lambda: newton_schulz(G, "dion"), device, repeats)
+    wide_G = G if m <= n else G.mT
+    row["normalize ms"] = timed(lambda: normalize(wide_G, 1e-8), device, repeats)
     row["call aol ms"] = timed(
         lambda: newton_schulz(G, "aol", preconditioner="aol"), device, repeats
     )
