@@ -5,8 +5,9 @@
 #   run(command="bash scripts/gpu-check.sh", timeout_s=480)
 # Every figure lands in a work folder that is packed into $OUT/gpu-results.tgz after each
 # step (the device tool brings back at most 8 files; a timeout keeps what was done), and
-# the whole log in $OUT/log.txt. The per-command caps sum to 420 s; runs end well before
-# them when nothing hangs.
+# the whole log in $OUT/log.txt. The per-step caps sum to 635 s; the whole run took 330 s
+# on an H200 (2026-12-04), so timeout_s=480 leaves room: a step that hangs loses the steps
+# after it, never the archive of those before.
 # Dry run on a CPU (the flags, not the figures):
 #   GPU_CHECK_MODEL=tiny-moe GPU_CHECK_LAYERS=2 GPU_CHECK_NS_SHAPES=4x64x128 \
 #     GPU_CHECK_STEPS=2 OUT=/tmp/gpu-dry bash scripts/gpu-check.sh

@@ -91,7 +91,10 @@ class NumberRange:
     def __contains__(self, value: object) -> bool:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             return False
-        if not math.isfinite(value):
+        try:
+            if not math.isfinite(value):
+                return False
+        except OverflowError:  # an int beyond any float (10**400)
             return False
         above_low = value > self.low if self.low_open else value >= self.low
         if self.high is None:

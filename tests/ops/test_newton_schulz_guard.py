@@ -43,3 +43,46 @@ def test_the_guard_recomputes_exactly_the_results_above_the_slack(seed: int) -> 
     assert torch.equal(out[kept], results[kept])
     # the verdict's worst ratio is exact for the recomputed ones
     assert verdict.worst_ratio == pytest.approx(float(exact.max()), rel=1e-4)
+
+
+def _fast_gemm_forced(monkeypatch, failure: BaseException | None):
+    """The guard's fp32-output GEMM path forced on CPU tensors, its bmm failing with
+    ``failure`` when asked for ``out_dtype`` (None: the path's result is the fp32 GEMM's)."""
+    from shardmuon.ops import newton_schulz_guard as guard
+
+    real_bmm = torch.bmm
+
+    def bmm(a, b, *args, out_dtype=None, **kwargs):
+        if out_dtype is None:
+            return real_bmm(a, b, *args, **kwargs)
+        if failure is not None:
+            raise failure
+        return real_bmm(a.float(), b.float())
+
+    monkeypatch.setattr(guard, "_NO_FP32_OUTPUT", set())
+    monkeypatch.setattr(
+        guard,
+        "_fp32_output_gemm_allowed",
+        lambda X: (X.device.type, X.dtype) not in guard._NO_FP32_OUTPUT,
+    )
+    monkeypatch.setattr(torch, "bmm", bmm)
+    return guard
+
+
+def test_a_refused_fp32_output_gemm_falls_back_once_per_device_and_dtype(monkeypatch) -> None:
+    guard = _fast_gemm_forced(monkeypatch, RuntimeError("no kernel for out_dtype"))
+    result = torch.randn(3, 8, 20, generator=torch.Generator().manual_seed(0)).bfloat16()
+    got = guard._gram_fp32(result)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.bmm(result.float(), result.float().mT))
+    refused = guard._NO_FP32_OUTPUT
+    assert refused == {("cpu", torch.bfloat16)}  # fp16 not condemned with it
+
+
+def test_an_out_of_memory_error_in_the_guard_is_raised_not_cached(monkeypatch) -> None:
+    guard = _fast_gemm_forced(monkeypatch, torch.OutOfMemoryError("out of memory"))
+    result = torch.randn(2, 8, 20).bfloat16()
+    with pytest.raises(torch.OutOfMemoryError):
+        guard._gram_fp32(result)
+    refused = guard._NO_FP32_OUTPUT
+    assert refused == set()  # the fast path stays on after a recovered OOM

@@ -79,3 +79,11 @@ def test_in_place_normalisation_gives_the_same_bits(
         Y = torch.randn(3, 9, 13, generator=gen).to(dtype)
         want = normalize_without_sync(Y.clone(), 1e-8, torch.empty_like(Y)).X
         assert same_bits(normalize_without_sync(Y, 1e-8, Y).X, want)
+
+
+def test_the_accelerator_branch_rounds_a_wider_input_to_fp32_first() -> None:
+    """As :func:`normalize` does: an fp64 input gives the bits of its fp32 rounding."""
+    X = torch.randn(4, 10, 30, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    got = normalize_without_sync(X, 1e-8, torch.empty(X.shape, dtype=torch.bfloat16))
+    want = normalize_without_sync(X.float(), 1e-8, torch.empty(X.shape, dtype=torch.bfloat16))
+    assert same_bits(got.X, want.X)

@@ -173,3 +173,12 @@ def test_one_setting_is_checked_alone_in_one_line() -> None:
         check_setting("offload", "disk")
     with pytest.raises(ValueError, match="'momentum' is not a MuonConfig setting"):
         check_setting("momentum", 0.9)
+
+
+def test_a_range_holds_no_int_beyond_any_float() -> None:
+    from shardmuon.config import FIELD_RANGES
+    from shardmuon.train.config import check_train_lr
+
+    assert all(10**400 not in limits for limits in FIELD_RANGES.values())
+    with pytest.raises(ValueError, match="adamw_lr must be a finite number > 0"):
+        check_train_lr("adamw_lr", 10**400)

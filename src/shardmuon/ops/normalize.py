@@ -131,7 +131,11 @@ def normalize(
 def normalize_without_sync(X: Tensor, eps: float, out: Tensor) -> Normalized:
     """:func:`normalize`'s accelerator branch (public for tests on any device): one pass,
     no synchronisation. fp64 holds the square of any fp32 value, and the power-of-two
-    prescale keeps the divisor an fp32 number; the mask is applied unconditionally."""
+    prescale keeps the divisor an fp32 number; the mask is applied unconditionally.
+    ``X[B, m, n]`` in any float dtype (wider than fp32: rounded to fp32 first, as
+    :func:`normalize` does); ``out`` of its shape, in the result's dtype."""
+    if X.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        X = X.float()
     norm64 = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
     prescale = _power_of_two_below(norm64)
     denom = (norm64 * prescale).to(torch.float32)
@@ -150,9 +154,10 @@ def _divide(
 
     ``fused`` (the accelerator branch): the division rounds its fp32 quotient into
     ``out``'s dtype itself — on an accelerator the kernel casts as it loads and stores, so a
-    slice is one or two kernels and no fp32 copy. Not on a CPU: there a mixed-dtype
-    division makes an fp32 temporary of each mismatched operand and of its result, twice
-    the one fp32 copy that the unfused slice holds. Both give the same bits."""
+    slice is two kernels (the prescale, whose fp32 result is the slice's one temporary, and
+    the division) instead of four, with no separate copy or cast pass. Not on a CPU: there a
+    mixed-dtype division makes an fp32 temporary of each mismatched operand and of its
+    result, twice the one fp32 copy that the unfused slice holds. Both give the same bits."""
     batch, rows, cols = X.shape
 
     def divide_into(target: Tensor, source: Tensor, divisor: Tensor, pre: Tensor | None) -> None:
