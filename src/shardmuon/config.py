@@ -81,9 +81,10 @@ def _checked_number(name: str, value: Any, upper: float | None, positive: bool) 
 @dataclass(frozen=True)
 class NumberRange:
     """The finite numbers a setting accepts: from ``low`` up to ``high`` (``None``:
-    unbounded), each bound excluded where ``low_open`` / ``high_open`` says so."""
+    unbounded), each bound excluded where ``low_open`` / ``high_open`` says so. The CLIs'
+    numeric flag types (``harness.cli_support.Number``) hold one too."""
 
-    low: float
+    low: float | None = None
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
@@ -96,10 +97,11 @@ class NumberRange:
                 return False
         except OverflowError:  # an int beyond any float (10**400)
             return False
-        above_low = value > self.low if self.low_open else value >= self.low
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
         if self.high is None:
-            return above_low
-        return above_low and (value < self.high if self.high_open else value <= self.high)
+            return True
+        return value < self.high if self.high_open else value <= self.high
 
 
 # The range of every numeric setting, stated once. The validators below check it (lr to

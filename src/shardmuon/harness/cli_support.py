@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shardmuon.config import NumberRange
+
 if TYPE_CHECKING:
     pass
 
@@ -73,7 +75,9 @@ class Number:
     ) -> None:
         if kind not in (int, float):
             raise TypeError(f"Number takes int or float, got {kind!r}")
-        self.kind, self.low, self.high = kind, low, high
+        self.kind = kind
+        self.range = NumberRange(low, high, low_open, high_open)
+        self.low, self.high = low, high
         self.low_open, self.high_open = low_open, high_open
         self.accepted = accepted or self._describe()
         # argparse names a type by its __name__ in some messages.
@@ -109,11 +113,7 @@ class Number:
         """Whether ``value`` (a finite number of this kind) is in the range. A subclass may
         hand the decision to the check that owns the range (``shardmuon train``'s optimizer
         flags: ``MuonConfig``'s validators)."""
-        below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
-        above = self.high is not None and (
-            value >= self.high if self.high_open else value > self.high
-        )
-        return not (below or above)
+        return value in self.range
 
     def __repr__(self) -> str:
         return f"Number({self.accepted})"
