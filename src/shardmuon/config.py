@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from shardmuon.ops.newton_schulz import resolve_coefficients
 from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES
 from shardmuon.routing import build_param_groups
-from shardmuon.validation import check_adjust_lr, check_int, check_number
+from shardmuon.validation import EPSILON_MIN, check_adjust_lr, check_int, check_number
 
 if TYPE_CHECKING:
     from shardmuon.optimizer import Muon
@@ -70,9 +70,11 @@ def _number(field_name: str, value: Any) -> Any:
     return value
 
 
-def _checked_number(name: str, value: Any, upper: float | None, positive: bool) -> float:
+def _checked_number(
+    name: str, value: Any, upper: float | None, positive: bool, lower: float = 0.0
+) -> float:
     try:
-        check_number(name, value, upper, positive=positive)
+        check_number(name, value, upper, positive=positive, lower=lower)
     except TypeError as err:  # pydantic reports ValueErrors against the field
         raise ValueError(str(err)) from None
     return float(value.item() if hasattr(value, "item") else value)
@@ -105,13 +107,15 @@ class NumberRange:
 
 
 # The range of every numeric setting, stated once. The validators below check it (lr to
-# update_rms through the constructor's validation.check_number, which takes a range from 0,
-# > 0 where low_open, below an excluded upper bound; the QK-clip pair through QKClip's own
-# check_qk_clip_settings), and shardmuon train's flags are described by it.
+# update_rms through the constructor's validation.check_number, which takes a range from
+# ``low`` (0 unless given), > low where low_open, below an excluded upper bound; the QK-clip
+# pair through QKClip's own check_qk_clip_settings), and shardmuon train's flags are
+# described by it.
 FIELD_RANGES: dict[str, NumberRange] = {
     "lr": NumberRange(0.0),
     "weight_decay": NumberRange(0.0),
-    "epsilon": NumberRange(0.0, low_open=True),
+    # float32's smallest normal number (validation.EPSILON_MIN: below it, 0 / 0 for a zero grad)
+    "epsilon": NumberRange(EPSILON_MIN),
     "mu": NumberRange(0.0, 1.0, high_open=True),
     "update_rms": NumberRange(0.0, low_open=True),
     "qk_clip_threshold": NumberRange(0.0, low_open=True),
@@ -191,7 +195,8 @@ class MuonConfig(BaseModel):
     def _numbers(cls, value: Any, info: ValidationInfo) -> float:
         name = info.field_name
         limits = FIELD_RANGES[name]
-        return _checked_number(name, _number(name, value), limits.high, limits.low_open)
+        lower = 0.0 if limits.low is None else limits.low
+        return _checked_number(name, _number(name, value), limits.high, limits.low_open, lower)
 
     @field_validator("betas", mode="before")
     @classmethod

@@ -9,14 +9,17 @@ overlapped step (``runtime/overlap.py``). A step's work is in ``runtime/phases.p
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.optimizer import _global_optimizer_post_hooks
 
-from shardmuon.ops.engines import resolve_restarts
+from shardmuon.ops.engines import resolve_ns_dtype, resolve_restarts
 from shardmuon.ops.newton_schulz import resolve_coefficients
 from shardmuon.ops.orthogonalizer import (
     NS_CHOICES,
@@ -32,8 +35,13 @@ from shardmuon.planning.plan import (
     plan_key,
 )
 from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES, ScheduleCache
-from shardmuon.runtime.agreement import agreement_groups, check_plan_agreement
-from shardmuon.runtime.calibration import calibrate_plan
+from shardmuon.runtime.agreement import (
+    agreement_groups,
+    check_live_agreement,
+    check_plan_agreement,
+    live_settings,
+)
+from shardmuon.runtime.calibration import calibrate_plan, read_auto_record, with_auto_record
 from shardmuon.runtime.exchange import warmup_groups
 from shardmuon.runtime.offload import OFFLOAD_CHOICES, StateStager, stager_for
 from shardmuon.runtime.overlap import (
@@ -104,14 +112,16 @@ class Muon(Optimizer):
         offload, offload_prefetch: ``"state"``: the state in pinned host memory, each chunk's
             streamed in ``offload_prefetch`` chunks ahead (``runtime/offload.py``); same bits.
         newton_schulz_impl: the engine (``ops/engines.py``): ``"folded"`` (default),
-            ``"gram"`` (fewer FLOPs on wide matrices, guarded), ``"auto"`` (measured per shape
-            class), ``"per-matrix"`` (batch-invariant), ``"unfolded"`` (dion's), ``"compiled"``.
+            ``"gram"`` (fewer FLOPs on wide matrices, guarded), ``"auto"`` (folded or guarded
+            Gram per shape class, timed by rank 0 at the first step; ``state_dict()`` keeps the
+            choice), ``"per-matrix"`` (batch-invariant), ``"unfolded"`` (dion's), ``"compiled"``.
         newton_schulz_dtype, newton_schulz_restarts, newton_schulz_guard: the iteration's
             dtype (bf16 default, fp16, fp32; bf16 results), Gram's restart steps (``None``:
             after 2, then every 3), the divergence guard (``None``: on for Gram; certifies
             sigma_max <= 1.15x the band, ``ops/newton_schulz_guard.py``).
         newton_schulz_preconditioner: ``None`` (dion's numerics) or ``"aol"`` (Turbo-Muon's
-            row scaling from the first iteration's Gram matrix; 4 steps by default).
+            row scaling from the first iteration's Gram matrix; 4 steps by default; keeps the
+            epsilon floor: a grad far below epsilon is damped as without AOL, at every dtype).
         rotate_owners: continue owners round-robin across batches (``False`` for benchmarks).
         split_replicas: HSDP: one replica orthogonalizes each batch and broadcasts the
             result over the replicate dim, instead of every replica repeating it.
@@ -119,6 +129,8 @@ class Muon(Optimizer):
         check_grads: when a group's ranks verify (one small all-reduce) that they planned
             alike and a grad is present on all or none: ``"first"`` step and after a plan
             change (default), ``"always"``, ``"never"`` (the plan still once; grads never).
+            Whatever it says, every later step compares the live settings first (a
+            2-element all-reduce per group): an edit made on some ranks only raises on all.
         overlap: ``"forward"``: ``step()`` checks, starts the step in the background and
             returns; with :meth:`overlap_with`, each module's next forward waits only for
             its own parameters' chunks (``runtime/overlap.py``). ``None`` (default): not.
@@ -183,6 +195,7 @@ class Muon(Optimizer):
         )
         self.update_rms = float(update_rms)
         self._raw_partitions = dict(matrix_partitions or {})
+        self._auto_record: dict | None = None  # "auto"'s table: checkpoints and copies keep it
         self._reset_runtime()
         super().__init__(params, defaults)
         # OneCycleLR/CyclicLR need "momentum" in the defaults (an alias of mu / beta1,
@@ -197,14 +210,24 @@ class Muon(Optimizer):
         self._plan: Plan | None = None
         self._plan_key: tuple | None = None
         self._plan_verified = False
+        # The groups of the last plan every rank agreed on: each step's live check runs there.
+        self._agreed_groups: list = []
         self._auto_choices: dict[tuple[int, int], str] | None = None
         self._schedule = ScheduleCache()
         self._rounds = ChunkRounds()
         self._state_stager: StateStager | None = None
         self._overlap = ForwardOverlap()
+        self._warned_post_hooks = False
         # Per group: the count its parameters' ``step`` counters were last given.
         self._counted_steps: dict[int, int] = {}
-        self.last_step_stats = StepStats()
+        self._last_stats = StepStats()
+
+    @property
+    def last_step_stats(self) -> StepStats:
+        """The last step's counters (``runtime/telemetry.py``); an overlapped step's once it
+        is done: reading them waits for it (raising its failure, as :meth:`synchronize`)."""
+        self.synchronize()
+        return self._last_stats
 
     def _settings(self, names: Sequence[str] = OPTIMIZER_SETTINGS) -> dict[str, Any]:
         return {name: getattr(self, name) for name in names}
@@ -314,14 +337,30 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_live_agreement()
         self._rounds.check_step(len(self.chunks()))
         schedule = self._begin_round()
         ctx, stager = self._context(), self._stager()
         if self.overlap is None:
-            self.last_step_stats.workspace_peak_bytes = run_step(ctx, schedule, stager)
+            self._last_stats.workspace_peak_bytes = run_step(ctx, schedule, stager)
             return loss
         self._overlap.start(ctx, schedule, stager, run_step)
+        if self._optimizer_step_post_hooks or _global_optimizer_post_hooks:
+            self._wait_for_post_hooks()
         return loss
+
+    def _wait_for_post_hooks(self) -> None:
+        """Step post-hooks see the finished step: with any registered, an overlapped step is
+        waited for before ``step()`` returns (said once)."""
+        if not self._warned_post_hooks:
+            self._warned_post_hooks = True
+            warnings.warn(
+                "Muon(overlap='forward') with step post-hooks registered: step() waits for "
+                "the step so that the hooks see it (no overlap while they are registered)",
+                UserWarning,
+                stacklevel=3,
+            )
+        self.synchronize()
 
     def synchronize(self) -> None:
         """Wait for this optimizer's overlapped step in flight, if any; raise ``OverlapError``
@@ -347,7 +386,7 @@ class Muon(Optimizer):
     def _stager(self) -> StateStager | None:
         if self.offload != "state":
             return None
-        stats, device = self.last_step_stats, self._device()
+        stats, device = self._last_stats, self._device()
         self._state_stager = stager_for(self._state_stager, device, self.offload_prefetch, stats)
         return self._state_stager
 
@@ -360,14 +399,16 @@ class Muon(Optimizer):
         gets here together (``runtime/calibration.py``)."""
         if self.newton_schulz_impl == "auto" and self._auto_choices is None:
             ns, eps = self._newton_schulz_settings(), self.defaults["epsilon"]
-            self._auto_choices = calibrate_plan(self._plan.batches, ns, self._device(), eps)
+            self._auto_choices, self._auto_record = calibrate_plan(
+                self._plan.batches, ns, self._device(), eps, self._auto_record
+            )
 
     def _context(self) -> StepContext:
         return StepContext(
             plan=self._plan,
             param_groups=self.param_groups,
             state=self.state,
-            stats=self.last_step_stats,
+            stats=self._last_stats,
             orthogonalizer=self._newton_schulz_settings().orthogonalizer(self._auto_choices),
             coefficients=self.coefficients,
             device=self._device(),
@@ -384,6 +425,8 @@ class Muon(Optimizer):
         restores a checkpoint (``runtime/rounds.py``).
         """
         self.synchronize()
+        if not self._rounds.is_open:
+            self._check_live_agreement()
         chunks = self.chunks()
         key = self._rounds.key_of(chunk, chunks)
         if not self._rounds.is_open:
@@ -412,14 +455,28 @@ class Muon(Optimizer):
             self._check_agreement()
             self._calibrate_auto()
             self._plan_verified = True
+            self._agreed_groups = agreement_groups(self._plan.batches)
         advance_step_counters(self.param_groups, self.state, self._counted_steps)
-        self.last_step_stats = StepStats()
+        self._last_stats = StepStats()
         return schedule
 
     def _step_schedule(self) -> list[tuple[str, int]]:
         """The schedule (overlapped: the batches in the forward's order)."""
         order = None if self.overlap is None else forward_order(self._plan.batches)
         return self._schedule.get(self._plan, self.workspace_bytes, self.max_in_flight, order)
+
+    def _check_live_agreement(self) -> None:
+        """Every step, before anything validates or replans: the ranks of the last agreed
+        plan's groups still hold the same settings (``runtime/agreement.py``), so an edit
+        made on some ranks only raises on all of them instead of diverging or hanging."""
+        if not self._agreed_groups:
+            return
+        settings = self._settings(AGREED_SETTINGS)
+        # One spelling per dtype ("float32" is torch.float32); a bad value as it is.
+        with contextlib.suppress(TypeError, ValueError):
+            settings["newton_schulz_dtype"] = str(resolve_ns_dtype(self.newton_schulz_dtype))
+        entries = live_settings(settings, self.param_groups)
+        check_live_agreement(self._agreed_groups, entries, self._device())
 
     def _check_agreement(self) -> None:
         """Every group's ranks agree on batches, settings and grads (see ``runtime/agreement.py``)."""
@@ -457,6 +514,7 @@ class Muon(Optimizer):
         self._overlap.discard()  # a failed overlapped step is what a restore undoes
         state_dict = run_load_pre_hooks(self, state_dict)
         merged = checked_groups(state_dict, self.param_groups, self._make_plan)
+        auto_record = read_auto_record(state_dict)  # "auto"'s saved table, checked
         if self._state_stager is not None:
             self._state_stager.wait_host()
         with load_hooks_held(self) as post_hooks:
@@ -468,6 +526,7 @@ class Muon(Optimizer):
         self._counted_steps.clear()  # a whole load: the loaded groups' counts rule
         self._init_state()
         self._rounds.end()  # a broken round ends with the restore
+        self._auto_record = auto_record  # its choices rule; none: "auto" measures anew
         self._plan_key = None  # replan: the loaded settings rule
         self._ensure_plan()
         for hook in post_hooks:
@@ -480,7 +539,7 @@ class Muon(Optimizer):
         if self._state_stager is not None:
             self._state_stager.wait_host()
         adopt_loaded_counts(self.param_groups, self.state, self._counted_steps)
-        return super().state_dict()
+        return with_auto_record(super().state_dict(), self._auto_record)
 
     def __getstate__(self) -> dict[str, Any]:
         """torch keeps defaults, state and groups; the optimizer-wide settings come too."""

@@ -29,10 +29,12 @@ __all__ = [
     "AGREED_SETTINGS",
     "ALGORITHMS",
     "CHECK_GRADS_CHOICES",
+    "EPSILON_MIN",
     "MOMENTUM_ALIAS",
     "OPTIMIZER_SETTINGS",
     "apply_momentum_alias",
     "check_dion_arguments",
+    "check_epsilon",
     "check_grads",
     "check_group",
     "check_group_settings",
@@ -45,12 +47,31 @@ __all__ = [
 ]
 
 ALGORITHMS = ("muon", "adamw")
+# The smallest ``epsilon``: float32's smallest normal number. The normalisation adds epsilon
+# to a float32 norm; a smaller one is 0 or subnormal there (flushed to 0 where denormals
+# are), and an all-zero gradient (an expert that got no token) is then 0 / 0: NaN in every
+# weight, counted nowhere.
+EPSILON_MIN = torch.finfo(torch.float32).tiny
+
+
+def _bound(value: float) -> str:
+    """A bound as an error message shows it: short where that is exact (``0``, ``1``),
+    else every digit, so that the number shown is accepted where the bound is."""
+    if value == EPSILON_MIN:
+        return f"{value!r} (float32's smallest normal number)"
+    return f"{value:g}" if float(f"{value:g}") == value else repr(value)
 
 
 def check_number(
-    name: str, value: Any, upper: float | None = None, *, positive: bool = False
+    name: str,
+    value: Any,
+    upper: float | None = None,
+    *,
+    positive: bool = False,
+    lower: float = 0.0,
 ) -> None:
-    """``value`` must be a finite real number ``>= 0`` (``> 0`` if ``positive``; ``< upper``).
+    """``value`` must be a finite real number ``>= lower`` (``> lower`` if ``positive``;
+    ``< upper``); ``lower`` is 0 unless given.
 
     A 1-element tensor counts as its value (torch's tensor lr); a larger tensor is refused.
     """
@@ -61,16 +82,25 @@ def check_number(
                 f"{tuple(value.shape)}"
             )
         value = value.item()
-    low = "> 0" if positive else ">= 0"
-    accepted = f"a number in [0, {upper:g})" if upper is not None else f"a finite number {low}"
+    low = f"{'>' if positive else '>='} {_bound(lower)}"
+    if upper is not None:
+        accepted = f"a number in {'(' if positive else '['}{_bound(lower)}, {upper:g})"
+    else:
+        accepted = f"a finite number {low}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be {accepted}, got {value!r}")
     if isinstance(value, int) and abs(value) >= 2**1024:  # no float holds it
         shown = f"an int of {len(str(abs(value)))} digits"
         raise ValueError(f"{name} must be {accepted}, got {shown}")
-    low_ok = value > 0.0 if positive else value >= 0.0
+    low_ok = value > lower if positive else value >= lower
     if not low_ok or not math.isfinite(value) or (upper is not None and not value < upper):
         raise ValueError(f"{name} must be {accepted}, got {value!r}")
+
+
+def check_epsilon(name: str, value: Any) -> None:
+    """``value`` must be a finite number ``>= EPSILON_MIN`` (float32's smallest normal
+    number; config.FIELD_RANGES states the same range for ``MuonConfig``)."""
+    check_number(name, value, lower=EPSILON_MIN)
 
 
 def check_adjust_lr(where: str, adjust_lr: Any) -> None:
@@ -120,7 +150,7 @@ def check_group_settings(index: int, group: dict) -> None:
     check_number(f"{where}: beta1", group["beta1"], 1.0)
     check_number(f"{where}: beta2", group["beta2"], 1.0)
     check_number(f"{where}: weight_decay", group["weight_decay"])
-    check_number(f"{where}: epsilon", group["epsilon"], positive=True)
+    check_epsilon(f"{where}: epsilon", group["epsilon"])
     for key in ("nesterov", "flatten"):
         if not isinstance(group[key], bool):
             raise TypeError(f"{where}: {key} must be True or False, got {group[key]!r}")
@@ -352,7 +382,7 @@ def group_defaults(
         ("weight_decay", weight_decay, None),
     ):
         check_number(name, value, upper)
-    check_number("epsilon", epsilon, positive=True)
+    check_epsilon("epsilon", epsilon)
     check_adjust_lr("", adjust_lr)
     return dict(
         lr=lr,

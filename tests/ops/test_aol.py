@@ -1,6 +1,7 @@
 """AOL preconditioning (``newton_schulz_preconditioner="aol"``) against an independent fp64
-reference, on every engine, and its wiring: the 4-step default, the guard's recompute, the
-agreement digest, ``MuonConfig`` and both CLIs."""
+reference, on every engine, at every scale of gradient (its bound and the normalisation's
+eps floor), and its wiring: the 4-step default, the guard's recompute, the agreement
+digest, ``MuonConfig`` and both CLIs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from shardmuon import Muon
 from shardmuon.bench.matrices import make_inputs
 from shardmuon.config import MuonConfig
+from shardmuon.ops import normalize as normalize_module
 from shardmuon.ops.engines import ENGINES
 from shardmuon.ops.newton_schulz import (
     NS_PRESETS,
@@ -19,21 +21,27 @@ from shardmuon.ops.newton_schulz import (
     newton_schulz,
     newton_schulz_reference,
 )
+from shardmuon.ops.newton_schulz_guard import GUARD_SLACK, band_high
 from shardmuon.ops.normalize import Normalized
 from shardmuon.validation import AGREED_SETTINGS
 
 KINDS = ("gaussian", "logspaced", "lowrank")
 
 
-def _reference(G: torch.Tensor, coefficients) -> torch.Tensor:
-    """AOL then the quintic, written out in fp64 (``G[B, m, n]``, either side short)."""
+def _reference(G: torch.Tensor, coefficients, eps: float = 0.0) -> torch.Tensor:
+    """AOL then the quintic, written out in fp64 (``G[B, m, n]``, either side short): the
+    rows of ``X = G / (||G|| + eps)`` scaled by ``||X||_F / sqrt(sum_j |X X^T|_ij)``, AOL's
+    ``D`` times the eps floor ``||X||_F = ||G|| / (||G|| + eps)`` (1 for ``eps=0``), so
+    that a gradient far below ``eps`` is damped as without AOL. A zero row stays zero."""
     X = G.double()
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
-    X = X / X.norm(dim=(-2, -1), keepdim=True)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
     A = X @ X.mT
-    d = A.abs().sum(dim=-1).rsqrt()
+    row_sums = A.abs().sum(dim=-1)
+    floor = X.norm(dim=(-2, -1))[..., None]
+    d = torch.where(row_sums > 0, floor / row_sums.clamp_min(1e-300).sqrt(), 0.0)
     X = X * d[..., :, None]
     for a, b, c in coefficients:
         A = X @ X.mT
@@ -83,6 +91,113 @@ def test_every_engine_runs_aol_as_the_fp64_reference_does(engine, kind) -> None:
     # Without the preconditioner the same 4 steps land elsewhere: the option is applied.
     plain = run(G, coefficients, 0.0, dtype=torch.float32).X
     assert _relative(plain, ref) > 1e-2
+
+
+SCALES = (1e-45, 1e-30, 1e-27, 1e-11, 1e-8, 1.0, 1e4, 1e30)
+DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in ENGINES["folded"].dtypes]
+# Distance of a result to its fp64 iteration where the default path is close to its own
+# (as tests/ops/test_engine_promises.py's TOLERANCE).
+TOLERANCE = {torch.bfloat16: 0.05, torch.float16: 0.01, torch.float32: 1e-4}
+
+
+def _errors(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest per-matrix ``||out - ref|| / ||ref||`` (fp64); a zero reference wants a
+    zero result (error 0, else inf)."""
+    out = out.double()
+    diff, size = (out - ref).norm(dim=(-2, -1)), ref.norm(dim=(-2, -1))
+    zero = size == 0
+    errors = torch.where(zero, torch.where(diff == 0, 0.0, torch.inf), diff / size)
+    return float(errors.max())
+
+
+def _check_every_scale(engine: str, dtype: torch.dtype) -> None:
+    """AOL on ``engine`` in ``dtype`` at every scale of :data:`SCALES`: finite, unflagged,
+    within the guard's limit, and as close to :func:`_reference` (eps floor kept) as the
+    default path is to its own fp64 iteration on the same input (1.6x, the bf16 ratio of
+    the test above; at least :data:`TOLERANCE`)."""
+    run = ENGINES[engine].run
+    coefficients = NS_PRESETS["aol"]
+    limit = GUARD_SLACK * band_high(coefficients)  # what the guard lets through
+    for kind in ("gaussian", "lowrank"):
+        base = make_inputs(kind, (3, 16, 64), seed=1)
+        for scale in SCALES:
+            where = f"{kind} x {scale:g}"
+            G = (base * scale).float()  # 1e-45: fp32 subnormals (or zeros)
+            out = run(G, coefficients, 1e-8, dtype=dtype, preconditioner="aol")
+            X = out.X.double()
+            assert not out.nonfinite.any() and torch.isfinite(X).all(), where
+            assert torch.linalg.matrix_norm(X, ord=2).max() <= limit, where
+            plain = run(G, "dion", 1e-8, dtype=dtype).X
+            plain_error = _errors(plain, newton_schulz_reference(G, "dion", 1e-8))
+            error = _errors(X, _reference(G, coefficients, 1e-8))
+            assert error <= max(TOLERANCE[dtype], 1.6 * plain_error), (where, error, plain_error)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_aol_keeps_its_bound_and_the_eps_floor_at_every_scale(engine, dtype) -> None:
+    """Was a bug: ``G / (||G|| + eps)`` of a small gradient has a Gram matrix that
+    underflows in the iteration's dtype; the row sums lost their off-diagonal terms and D its
+    bound: NaN or inf results (fp16 at 1e-11, Gram's fp16 included; bf16 at 1e-27), never
+    flagged, and a direction 21% (1e-30) to 100% (1e-11) off; and AOL's scaling undid the eps
+    floor (a full-size update from a gradient far below eps). Now: finite, within the
+    engine's band at every scale, and as close to the fp64 AOL-then-NS (eps floor kept) as
+    the default path is to its own fp64 iteration, on the same inputs."""
+    _check_every_scale(engine, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("engine", ["folded", "gram"])
+def test_aol_at_every_scale_on_the_accelerator_branch(engine, dtype, monkeypatch) -> None:
+    """The same on the normalisation an accelerator runs (fp64 norm, no host check), here
+    on CPU tensors: on a GPU every engine normalises through it."""
+
+    def accelerator_branch(X, eps, dtype, out, unit):
+        X = X if X.dtype in (torch.bfloat16, torch.float16, torch.float32) else X.float()
+        out = torch.empty(X.shape, dtype=dtype) if out is None else out
+        return normalize_module._normalize_without_sync(X, eps, out, unit)
+
+    monkeypatch.setattr(normalize_module, "_normalize", accelerator_branch)
+    _check_every_scale(engine, dtype)
+
+
+@pytest.mark.parametrize("engine", sorted(set(ENGINES) - {"compiled"}))  # compiling: seconds
+def test_fp16_aol_keeps_its_bound_on_small_correlated_rows(engine) -> None:
+    """Three parallel rows at 1e-6 of the others: in fp16 their mutual Gram entries underflow
+    to 0, their row sums kept only their own squares and D scaled each to norm 1, sqrt(3)
+    together: a direction 72-111% off, NaN from Gram. The row sums now add what rounding in
+    fp16's subnormal range may have lost (2^-25 an entry): what is left is the rows' own
+    fp16 rounding (3% here; bf16 1.3%)."""
+    gen = torch.Generator().manual_seed(0)
+    G = torch.randn(2, 16, 64, generator=gen)
+    row = torch.randn(64, generator=gen) * 1e-6
+    G[:, 0], G[:, 1], G[:, 2] = row, 0.9 * row, 1.1 * row
+    coefficients = NS_PRESETS["aol"]
+    out = ENGINES[engine].run(G, coefficients, 1e-8, dtype=torch.float16, preconditioner="aol")
+    X = out.X.double()
+    assert not out.nonfinite.any() and torch.isfinite(X).all()
+    assert torch.linalg.matrix_norm(X, ord=2).max() <= GUARD_SLACK * band_high(coefficients)
+    assert _errors(X, _reference(G, coefficients, 1e-8)) < 0.05
+
+
+@pytest.mark.parametrize("impl", ["folded", "gram"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_tiny_gradient_under_aol_moves_the_weights_by_the_reference(impl, dtype) -> None:
+    """The optimizer's end of the bug: a 1e-11 gradient under fp16 AOL gave NaN weights
+    (Gram) or a direction 100% off (folded), with ``nonfinite_matrices == 0``. Now the
+    update is the fp64 AOL-then-NS of the bf16 direction, eps floor included."""
+    W = make_inputs("gaussian", (32, 96), seed=2).float()
+    grad = make_inputs("lowrank", (32, 96), seed=3).float() * 1e-11
+    p = torch.nn.Parameter(W.clone())
+    opt = Muon([p], lr=0.1, mu=0.0, weight_decay=0.0, adjust_lr=None,
+               newton_schulz_preconditioner="aol", newton_schulz_impl=impl,
+               newton_schulz_dtype=dtype)  # fmt: skip
+    p.grad = grad.clone()
+    opt.step()
+    assert torch.isfinite(p).all() and opt.last_step_stats.nonfinite_matrices == 0
+    moved = (W - p.detach()).double() / 0.1
+    want = _reference(grad.bfloat16()[None], NS_PRESETS["aol"], 1e-8)[0]
+    assert _errors(moved, want) < 0.05
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))

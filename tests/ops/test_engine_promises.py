@@ -3,7 +3,8 @@
 tested for all of them at once.
 
 1. non-finite matrices zeroed and flagged, the others untouched (engine and optimizer step);
-2. the norm neither overflows (1e18+) nor underflows (1e-30);
+2. the norm neither overflows (1e18+) nor underflows (1e-30), with AOL too; a gradient far
+   below ``eps`` is damped alike with and without AOL;
 3. the iteration dtype is honoured (engine and optimizer);
 4. bitwise batch invariance, where an engine claims it;
 5. the engine and dtype enter the ranks' agreement digest;
@@ -76,8 +77,15 @@ def _batch(shape=SHAPE, seed: int = 0) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _run(name: str, G: torch.Tensor, dtype: torch.dtype, eps: float = EPS):
-    return ENGINES[name].run(G, DION, eps, dtype=dtype)
+def _run(
+    name: str,
+    G: torch.Tensor,
+    dtype: torch.dtype,
+    eps: float = EPS,
+    preconditioner: str | None = None,
+):
+    coefficients = NS_PRESETS["aol"] if preconditioner == "aol" else DION
+    return ENGINES[name].run(G, coefficients, eps, dtype=dtype, preconditioner=preconditioner)
 
 
 # ------------------------------------------------------------ 1. non-finite masking
@@ -139,27 +147,46 @@ def test_a_step_skips_only_the_parameter_whose_grad_holds_a_nan(name):
 # ---------------------------------------------------------- 2. overflow-safe norm
 
 
+@pytest.mark.parametrize("preconditioner", [None, "aol"])
 @pytest.mark.parametrize(("name", "dtype"), CASES)
-def test_huge_and_tiny_inputs_give_the_unscaled_result(name, dtype):
+def test_huge_and_tiny_inputs_give_the_unscaled_result(name, dtype, preconditioner):
     """Before the engine table, ``"unfolded"`` (a bf16 norm) gave all-zero results from
     1e18 (the sum of squares overflows) and NaN for tiny inputs."""
     G = _batch()
-    base = _run(name, G, dtype).X
+    run = functools.partial(_run, preconditioner=preconditioner)
+    base = run(name, G, dtype).X
     # Powers of two scale exactly: the same bits, whichever path the norm took.
     for scale in (2.0**60, 2.0**70, 2.0**100):
-        assert_bitwise(_run(name, G * scale, dtype).X, base, f"x 2^{math.log2(scale):.0f}")
+        assert_bitwise(run(name, G * scale, dtype).X, base, f"x 2^{math.log2(scale):.0f}")
     for scale in (1e18, 1e20, 1e30):
-        out = _run(name, G * scale, dtype)  # G * scale is rounded: close, not bitwise
+        out = run(name, G * scale, dtype)  # G * scale is rounded: close, not bitwise
         assert not out.nonfinite.any() and torch.isfinite(out.X).all()
         assert out.X.double().norm() > 0.5 * base.double().norm(), scale
         assert relative_error(out.X, base.double()) <= 1e-2, scale
     # Tiny inputs: eps scales with them (a fixed eps of 1e-8 rightly damps a 1e-30
     # gradient's direction to ~0), so what is tested is the norm's underflow alone.
     for scale in (2.0**-100, 1e-30):
-        out = _run(name, G * scale, dtype, eps=EPS * scale).X
+        out = run(name, G * scale, dtype, eps=EPS * scale).X
         assert relative_error(out, base.double()) <= 1e-2, scale
         if scale == 2.0**-100:
             assert_bitwise(out, base, "x 2^-100")
+
+
+@pytest.mark.parametrize(("name", "dtype"), CASES)
+def test_a_gradient_far_below_eps_is_damped_alike_with_and_without_aol(name, dtype):
+    """Both divide by ``||G|| + eps``: at ``||G|| << eps`` the result is about ``||G|| / eps``
+    of full size (the iteration's first steps are nearly linear there), and the size does
+    not jump on the way down. Measured on ``SHAPE``: AOL's result 0.98-1.02x the default's
+    down to 1e-10, 0.88x at 1e-11, 0.61-0.66x below; before, AOL's row scaling undid the
+    damping (a full-size result from a 1e-30 gradient, direction wrong) or overflowed
+    (bf16, 1e-27). fp16 holds neither below ~1e-20: both zero."""
+    G = _batch()
+    for scale in (1e-8, 1e-10, 1e-11, 1e-15, 1e-20, 1e-27, 1e-30):
+        plain = _run(name, G * scale, dtype).X.double().norm(dim=(-2, -1))
+        aol = _run(name, G * scale, dtype, preconditioner="aol").X.double().norm(dim=(-2, -1))
+        assert torch.equal(plain == 0, aol == 0), scale
+        ratio = aol[plain > 0] / plain[plain > 0]
+        assert ((ratio >= 0.5) & (ratio <= 1.1)).all(), (scale, ratio)
 
 
 # ------------------------------------------------------------ 3. dtype honoured

@@ -74,9 +74,10 @@ BAD_VALUES = [
     ("lr", "fast", r"lr must be a finite number >= 0, got 'fast'"),
     ("weight_decay", -1e-4, r"weight_decay must be a finite number >= 0, got -0.0001"),
     ("weight_decay", float("inf"), r"weight_decay must be a finite number >= 0, got inf"),
-    # The constructor's range, spelled once (validation.check_number): eps > 0.
-    ("epsilon", -1e-8, r"epsilon must be a finite number > 0, got -1e-08"),
-    ("epsilon", 0.0, r"epsilon must be a finite number > 0, got 0.0"),
+    # The constructor's range, spelled once (validation.check_epsilon): eps >= float32's
+    # smallest normal number.
+    ("epsilon", -1e-8, r"epsilon must be a finite number >= 1\.17549435.*, got -1e-08"),
+    ("epsilon", 0.0, r"epsilon must be a finite number >= 1\.17549435.*, got 0.0"),
     ("mu", -0.1, r"mu must be a number in \[0, 1\), got -0.1"),
     ("mu", 1.0, r"mu must be a number in \[0, 1\), got 1.0"),
     (

@@ -8,7 +8,9 @@ Failing tests are escapes.
 
 from __future__ import annotations
 
+import argparse
 import math
+import re
 
 import pytest
 import torch
@@ -182,3 +184,42 @@ def test_a_range_holds_no_int_beyond_any_float() -> None:
     assert all(10**400 not in limits for limits in FIELD_RANGES.values())
     with pytest.raises(ValueError, match="adamw_lr must be a finite number > 0"):
         check_train_lr("adamw_lr", 10**400)
+
+
+SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
+BELOW_SMALLEST_NORMAL = [1e-50, 1e-40, math.nextafter(SMALLEST_NORMAL, 0.0), "1e-45"]
+
+
+@pytest.mark.parametrize("value", BELOW_SMALLEST_NORMAL, ids=repr)
+def test_an_epsilon_float32_cannot_hold_as_a_normal_number_is_refused(value) -> None:
+    """Was an escape: ``epsilon=1e-50`` is 0 in float32 (1e-40 a subnormal, flushed to 0
+    where denormals are) and an all-zero grad then gave NaN in every weight, uncounted.
+    Refused alike by ``MuonConfig``, by ``check_setting`` (what a ``shardmuon train`` flag
+    of the setting runs, ``train.cli_flags.setting_type``) and by ``Muon``, naming what
+    was given and what is accepted."""
+    from shardmuon.train.cli_flags import setting_type
+
+    accepted = "epsilon must be a finite number >= 1.1754943508222875e-38 (float32's smallest"
+    with pytest.raises(ValueError) as info:
+        MuonConfig(epsilon=value)
+    assert accepted in str(info.value) and f"got {float(value)!r}" in str(info.value)
+    with pytest.raises(ValueError, match=re.escape(accepted)):
+        check_setting("epsilon", value)
+    assert float(value) not in FIELD_RANGES["epsilon"]
+    flag = setting_type("epsilon")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"must be .*, got "):
+        flag(str(value))
+    with pytest.raises(ValueError, match=re.escape(accepted)):
+        Muon([Parameter(torch.zeros(2, 2))], epsilon=float(value))
+
+
+def test_the_smallest_normal_float32_is_the_smallest_epsilon() -> None:
+    """The bound itself, and a number just above it, are accepted everywhere (the value a
+    refusal shows is one that is accepted: every digit is printed)."""
+    from shardmuon.train.cli_flags import setting_type
+
+    for value in (SMALLEST_NORMAL, math.nextafter(SMALLEST_NORMAL, 1.0), 1e-30):
+        assert value in FIELD_RANGES["epsilon"]
+        assert MuonConfig(epsilon=value).epsilon == value
+        assert setting_type("epsilon")(repr(value)) == value
+        Muon([Parameter(torch.zeros(2, 2))], epsilon=value)

@@ -184,7 +184,7 @@ BAD_STATE_DICTS = [
         "epsilon",
         _set(("param_groups", 1, "epsilon"), 0),
         ValueError,
-        r"state dict: param group 1: epsilon must be a finite number > 0, got 0",
+        r"state dict: param group 1: epsilon must be a finite number >= 1\.17549435.*, got 0",
     ),
     (
         "adjust_lr",

@@ -10,6 +10,7 @@ Single process, CPU; compared bitwise.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -107,15 +108,22 @@ def test_sparse_grads_are_refused_before_anything_changes(
     assert_same_optimizers(opt, params, ref, ref_params)
 
 
+# What a refused epsilon's message says is accepted (a regex).
+EPSILON_ACCEPTED = re.escape(
+    "a finite number >= 1.1754943508222875e-38 (float32's smallest normal number)"
+)
 BAD_SETTINGS = [
     # (key, value, exception, pattern after "<key> ")
     ("lr", math.inf, ValueError, r"lr must be a finite number >= 0, got inf"),
     ("lr", math.nan, ValueError, r"lr must be a finite number >= 0, got nan"),
     ("lr", -1.0, ValueError, r"lr must be a finite number >= 0, got -1\.0"),
     ("weight_decay", math.inf, ValueError, r"weight_decay must be a finite number >= 0, got inf"),
-    ("epsilon", 0.0, ValueError, r"epsilon must be a finite number > 0, got 0\.0"),
-    ("epsilon", -1.0, ValueError, r"epsilon must be a finite number > 0, got -1\.0"),
-    ("epsilon", math.inf, ValueError, r"epsilon must be a finite number > 0, got inf"),
+    ("epsilon", 0.0, ValueError, rf"epsilon must be {EPSILON_ACCEPTED}, got 0\.0"),
+    ("epsilon", -1.0, ValueError, rf"epsilon must be {EPSILON_ACCEPTED}, got -1\.0"),
+    ("epsilon", math.inf, ValueError, rf"epsilon must be {EPSILON_ACCEPTED}, got inf"),
+    # 0 in float32 (and a float32 subnormal): accepted before, then NaN from a zero grad
+    ("epsilon", 1e-50, ValueError, rf"epsilon must be {EPSILON_ACCEPTED}, got 1e-50"),
+    ("epsilon", 1e-40, ValueError, rf"epsilon must be {EPSILON_ACCEPTED}, got 1e-40"),
     ("mu", 1.0, ValueError, r"mu must be a number in \[0, 1\), got 1\.0"),
     (
         "lr",
@@ -157,6 +165,36 @@ def test_bad_setting_edited_into_a_group_raises_at_step(
     step_with(opt, params, 1)
     step_with(ref, ref_params, 1)
     assert_same_optimizers(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("epsilon", [1e-50, 1e-40, torch.tensor(1e-50, dtype=torch.float64)])
+def test_an_epsilon_below_the_smallest_normal_float32_is_refused_in_a_new_group(epsilon) -> None:
+    """Was an escape: ``epsilon=1e-50`` is 0 in float32, and an all-zero grad (an expert that
+    got no token) then gave NaN in every weight, uncounted. ``add_param_group`` refuses it
+    and leaves the optimizer as it was."""
+    params, ref_params = mixed_params(), mixed_params()
+    opt, ref = mixed(params), mixed(ref_params)
+    extra = param((4, 4), 9)
+    pattern = rf"param group 2: epsilon must be {EPSILON_ACCEPTED}, got "
+    with pytest.raises(ValueError, match=pattern):
+        opt.add_param_group(dict(params=[extra], epsilon=epsilon))
+    assert len(opt.param_groups) == 2 and extra not in opt.state
+    step_with(opt, params, 0)
+    step_with(ref, ref_params, 0)
+    assert_same_optimizers(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("algorithm", ["muon", "adamw"])
+def test_the_smallest_accepted_epsilon_keeps_a_zero_grad_finite(algorithm: str) -> None:
+    """The bound is enough: at ``epsilon = float32's smallest normal`` an all-zero grad
+    leaves the weight as it was (no decay here), in both algorithms, and counts nothing."""
+    smallest = torch.finfo(torch.float32).tiny
+    p = param((8, 16), 3)
+    start = p.detach().clone()
+    opt = Muon([dict(params=[p], algorithm=algorithm)], epsilon=smallest, weight_decay=0.0)
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(p.detach(), start) and opt.last_step_stats.nonfinite_matrices == 0
 
 
 @pytest.mark.parametrize("where", ["constructor", "group"])

@@ -1,23 +1,50 @@
 """``shardmuon bench lm``'s arithmetic (the steps to a loss, the best lrs, the targets) on
-made-up runs, and one tiny run of the whole command (1 rank, a few steps: the sweep itself
-is a benchmark, not a test)."""
+made-up runs, and tiny runs of the whole command (1 rank, a few steps: the sweep itself
+is a benchmark, not a test), one with an lr that diverges."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 
 import pytest
 
-from shardmuon.bench.lm_report import best_key, steps_to_reach, summarize
+from shardmuon.bench.lm_report import best_key, print_lm_tables, steps_to_reach, summarize
 from shardmuon.cli import main
 
 
-def _row(setting, lr, seed, losses, adamw_lr=None, step_seconds=1.0):
+def _row(setting, lr, seed, losses, adamw_lr=None, step_seconds=1.0, diverged=False):
     evals = [{"step": 10 * i, "tokens": 1000 * i, "loss": v} for i, v in enumerate(losses)]
     return {"setting": setting, "optimizer": "adamw" if setting == "adamw" else "muon",
             "lr": lr, "adamw_lr": adamw_lr, "seed": seed, "eval": evals,
             "step_seconds": step_seconds, "max_logits": [1.0], "max_logits_after": [1.0],
-            "clipped_heads": [0]}  # fmt: skip
+            "clipped_heads": [0], "diverged": diverged}  # fmt: skip
+
+
+def _strict_json(text: str):
+    """``text`` parsed as JSON proper: a bare NaN or Infinity fails."""
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _tiny_argv(data, out, *grids: str) -> list[str]:
+    return ["bench", "lm", "--nproc", "1", "--layers", "1", "--steps", "4", "--seeds", "1",
+            *grids, "--batch-size", "2", "--seq-len", "16", "--warmup", "1", "--eval-every",
+            "2", "--eval-sequences", "2", "--data", str(data), "--json", str(out),
+            "--no-progress"]  # fmt: skip
+
+
+@pytest.fixture
+def data(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(12):
+        (data / f"f{i}.py").write_text(f"x{i} = {i}\n" * 60)
+    return data
 
 
 def test_steps_to_reach_interpolates_between_evaluations():
@@ -84,6 +111,93 @@ def test_a_tiny_run_of_the_command(tmp_path, capsys):
     for name in ("lm.png", "lm-engines.png", "lm-logits.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "wrote max attention logits (PNG)" in printed.err
+
+
+def test_diverged_runs_are_never_the_best_and_show_as_diverged(capsys):
+    nan = math.nan
+    rows = [
+        _row("adamw", 0.001, 0, [5, 4, 3.5, 3.2]),
+        # Listed first, and its loss was lower before it diverged: still not the best.
+        _row("muon", 1e20, 0, [5, 2.0, nan], 0.004, diverged=True),
+        _row("muon", 0.01, 0, [5, 3.2, 2.9, 2.5], 0.004),
+        # One seed of two diverged: the lr diverged, although the other seed is the lowest.
+        _row("muon", 0.02, 0, [5, 3.0, 2.0, 1.0], 0.004),
+        _row("muon", 0.02, 1, [5, 3.0, nan], 0.004, diverged=True),
+        _row("gram", 0.01, 0, [5, 3.0, nan], 0.004, diverged=True),
+    ]  # fmt: skip
+    assert best_key(rows, "muon") == ("muon", 0.01, 0.004)
+    summary = summarize(rows, 15.0)
+    grid = {(g["lr"], g["seeds"]): g for g in summary["grid"] if g["setting"] == "muon"}
+    assert grid[1e20, 1]["diverged"] and grid[1e20, 1]["mean"] is None
+    assert (grid[0.02, 2]["diverged"], grid[0.02, 2]["diverged_seeds"]) == (True, 1)
+    assert not grid[0.01, 1]["diverged"] and grid[0.01, 1]["best"]
+    gram = summary["settings"][-1]
+    assert gram["diverged"] and gram["steps_to_target"] is None
+    assert gram["within_default_spread"] is False
+    assert summary["every_run_diverged"] == []
+    print_lm_tables(summary, argparse.Namespace(seeds=2))
+    out = capsys.readouterr().out
+    assert "diverged (1 of 2 seeds)" in out and "nan" not in out
+
+
+def test_an_optimizer_whose_every_run_diverged_has_no_best_lr(capsys):
+    nan = math.nan
+    rows = [
+        _row("adamw", 0.001, 0, [5, 4, 3.5, 3.2]),
+        _row("muon", 1e20, 0, [5, nan], 0.004, diverged=True),
+        _row("muon", 1e21, 0, [5, 4, nan], 0.004),  # a non-finite loss says it too
+    ]
+    assert best_key(rows, "muon") is None
+    summary = summarize(rows, 15.0)
+    assert summary["muon"] is None and summary["every_run_diverged"] == ["muon"]
+    assert [s["setting"] for s in summary["settings"]] == ["adamw"]
+    assert not summary["targets"]["muon_lower_final_met"]
+    print_lm_tables(summary, argparse.Namespace(seeds=1))
+    assert "every Muon run diverged (lr 1e+20, 1e+21): it has no best lr" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_diverging_lr_is_recorded_and_the_sweep_goes_on(data, tmp_path, capsys):
+    out = tmp_path / "lm.json"
+    grids = ["--adamw-lrs", "0.004", "--muon-lrs", "1e20,0.02", "--muon-adamw-lrs",
+             "0.004,0.008", "--engines", "gram"]  # fmt: skip
+    assert main(_tiny_argv(data, out, *grids)) == 0
+    printed = capsys.readouterr()
+    assert "Traceback" not in printed.err
+    assert "muon, lr 1e+20, seed 0 diverged at step" in printed.err
+    payload = _strict_json(out.read_text())
+    runs = {(r["setting"], r["lr"], r["adamw_lr"]): r for r in payload["runs"]}
+    assert list(runs) == [
+        ("adamw", 0.004, None), ("muon", 1e20, 0.004), ("muon", 0.02, 0.004),
+        ("muon", 0.02, 0.008), ("gram", 0.02, payload["summary"]["muon"][2]),
+    ]  # fmt: skip
+    diverged = runs["muon", 1e20, 0.004]
+    assert diverged["diverged"] and 1 <= diverged["diverged_step"] <= 4
+    assert diverged["diverged_reason"]
+    assert not any(r["diverged"] for key, r in runs.items() if key[1] != 1e20)
+    summary = payload["summary"]
+    assert summary["muon"][1] == 0.02 and summary["every_run_diverged"] == []
+    grid = {(g["setting"], g["lr"], g["adamw_lr"]): g for g in summary["grid"]}
+    assert grid["muon", 1e20, 0.004]["diverged"] and grid["muon", 1e20, 0.004]["mean"] is None
+    assert "diverged" in printed.out
+
+
+@pytest.mark.slow
+def test_every_run_of_both_optimizers_diverging_is_said_and_written(data, tmp_path, capsys):
+    out, png = tmp_path / "lm.json", tmp_path / "lm.png"
+    grids = ["--adamw-lrs", "1e20", "--muon-lrs", "1e20", "--muon-adamw-lrs", "0.004,0.008",
+             "--engines", "gram", "--plot", str(png)]  # fmt: skip
+    assert main(_tiny_argv(data, out, *grids)) == 0
+    printed = capsys.readouterr()
+    assert "every AdamW run diverged (lr 1e+20): it has no best lr" in printed.out
+    assert "every Muon run diverged (lr 1e+20): it has no best lr" in printed.out
+    assert "(no AdamW-group or engine runs)" in printed.err
+    assert f"no plot written to {png}: every run diverged" in printed.err
+    payload = _strict_json(out.read_text())
+    assert [r["diverged"] for r in payload["runs"]] == [True, True]  # nothing ran at no best lr
+    summary = payload["summary"]
+    assert (summary["adamw"], summary["muon"], summary["settings"]) == (None, None, [])
+    assert summary["every_run_diverged"] == ["adamw", "muon"] and summary["steps"] == 4
 
 
 @pytest.mark.parametrize(

@@ -8,12 +8,16 @@ import itertools
 import math
 import os
 import re
+import socket
+import stat
 import sysconfig
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from shardmuon.cli import main as shardmuon_main
 from shardmuon.train.cli import main as train_main
 from shardmuon.train.config import task_config
 from shardmuon.train.lm_data import (
@@ -165,6 +169,110 @@ def test_an_unreadable_file_is_refused_naming_it(tmp_path, monkeypatch):
     expected = re.escape(f"data '{locked}': cannot be read (permission denied)")
     with pytest.raises(ValueError, match=expected):
         plan_corpus(tmp_path)
+
+
+def _without_hanging(call, fifo: Path | None = None, seconds: float = 30.0):
+    """``call()``'s result or exception, in a thread given ``seconds``. A call still running
+    then is blocked on opening ``fifo`` (it waits for a writer): a writer is opened, to let
+    it go, and the test fails."""
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["value"] = call()
+        except BaseException as err:  # handed to the test thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        if fifo is not None:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            thread.join(seconds)
+        pytest.fail(f"still running after {seconds:g} s: a non-regular file was opened")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+# Non-regular files with a text file's name, under a directory walked: each is refused in
+# one line naming it, as an unreadable file is, and never opened.
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def _socket(path: Path) -> Path:
+    server = socket.socket(socket.AF_UNIX)
+    cwd = os.getcwd()
+    os.chdir(path.parent)  # a relative name: a socket's path is limited to about 100 bytes
+    try:
+        server.bind(path.name)  # the file stays after the socket is closed
+    finally:
+        os.chdir(cwd)
+        server.close()
+    return path
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        (_fifo, "a FIFO (named pipe)"),  # opening it would wait for a writer for ever
+        (_socket, "a socket"),
+    ],
+)
+def test_a_non_regular_file_in_a_directory_is_refused_unopened(tmp_path, capsys, make, kind):
+    _corpus(tmp_path / "data", files=4)
+    special = make(tmp_path / "data" / "pkg0" / "special.txt")
+    fifo = special if stat.S_ISFIFO(special.stat().st_mode) else None
+    expected = re.escape(f"data '{special}': is {kind}, not a regular file")
+    with pytest.raises(ValueError, match=expected):
+        _without_hanging(lambda: plan_corpus(tmp_path / "data"), fifo)
+    argv = ["--task", "lm", "--nproc", "1", "--steps", "1", "--no-progress"]
+    assert _without_hanging(lambda: train_main([*argv, "--data", str(tmp_path)]), fifo) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"shardmuon train: error: data '{special}': is {kind}, not a regular file"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_bench_lm_refuses_a_fifo_in_its_data_before_any_run(tmp_path, capsys):
+    _corpus(tmp_path, files=4)
+    fifo = _fifo(tmp_path / "pkg1" / "pipe.py")
+    argv = ["bench", "lm", "--nproc", "1", "--steps", "1", "--seeds", "1", "--no-progress"]
+    assert _without_hanging(lambda: shardmuon_main([*argv, "--data", str(tmp_path)]), fifo) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"data '{fifo}': is a FIFO (named pipe), not a regular file" in err
+    assert "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_a_fifo_given_as_the_data_is_refused_unopened(tmp_path):
+    fifo = _fifo(tmp_path / "pipe.txt")
+    expected = re.escape(f"data '{fifo}': is a FIFO (named pipe), neither a regular file nor")
+    with pytest.raises(ValueError, match=expected):
+        _without_hanging(lambda: plan_corpus(fifo), fifo)
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_a_broken_symbolic_link_is_named_with_its_target(tmp_path):
+    _corpus(tmp_path / "data", files=4)
+    target = tmp_path / "gone" / "notes.md"
+    link = tmp_path / "data" / "pkg2" / "notes.md"
+    link.symlink_to(target)
+    why = f"is a broken symbolic link (to {str(target)!r})"
+    with pytest.raises(ValueError, match=re.escape(f"data '{link}': {why}")):
+        plan_corpus(tmp_path / "data")
+    # Given as the data itself, too.
+    with pytest.raises(ValueError, match=re.escape(f"data '{link}': {why}")):
+        plan_corpus(link)
+    # A link to a regular file is read as that file.
+    target.parent.mkdir()
+    target.write_text("linked text " * 20)
+    assert str(link) in {p.path for p in plan_corpus(tmp_path / "data").train} | {
+        p.path for p in plan_corpus(tmp_path / "data").held_out
+    }
 
 
 def test_a_corpus_smaller_than_one_batch_is_refused(tmp_path):

@@ -189,9 +189,10 @@ def _grad_later(ctx: Context) -> None:
     fail_on(_expect_refused(ctx, opt, params, [GRADS_DISAGREE]))
 
 
-@case("check_cost_one_all_reduce_per_group_then_none")
+@case("check_cost_one_all_reduce_per_group_then_two_elements")
 def _check_cost(ctx: Context) -> None:
-    """First step: one 4-element all-reduce per group; later steps (default): none."""
+    """First step: one 4-element all-reduce per group (the full check); later steps (default):
+    one 2-element all-reduce per group (the live settings' digest)."""
     specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,))]
     params, opt = _build(ctx, specs)
     set_placed_constant_grads(ctx, params, specs)
@@ -202,9 +203,95 @@ def _check_cost(ctx: Context) -> None:
     problems = []
     if first != [4]:
         problems.append(f"first step all-reduces {first}, expected one of 4 elements")
-    if second:
-        problems.append(f"second step ran all-reduces {second}, expected none")
+    if second != [2]:
+        problems.append(f"second step all-reduces {second}, expected one of 2 elements")
     fail_on(problems)
+
+
+def _edited_case(name: str, named: str, edit: Callable[[Muon], None], **kwargs) -> None:
+    """After ``steps`` agreed steps the last rank alone applies ``edit``: the next step raises
+    the agreement error naming ``named`` on every rank, before any all-to-all, changing
+    nothing (never a divergence, an abort or a wait until the timeout)."""
+
+    for steps in (1, 2):
+
+        @case(f"{name}_after_step_{steps}")
+        def run(ctx: Context, steps: int = steps) -> None:
+            specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,)), Spec((6,), (S0,))]
+            init = random_tensors([s.shape for s in specs], 0)
+            params = [nn.Parameter(place(ctx, s, t)) for s, t in zip(specs, init)]
+            groups = [
+                {"params": params[:2], "algorithm": "muon"},
+                {"params": params[2:], "algorithm": "adamw", "lr": 0.001},
+            ]
+            fresh = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            opt = Muon(groups, **{"lr": 0.02, **fresh})
+            set_placed_constant_grads(ctx, params, specs)
+            for _ in range(steps):
+                opt.step()
+            if _last(ctx):
+                edit(opt)
+            fail_on(_expect_refused(ctx, opt, params, [DISAGREE, f"{named} ("]))
+
+
+def _set_group(index: int, key: str, value) -> Callable[[Muon], None]:
+    return lambda opt: opt.param_groups[index].__setitem__(key, value)
+
+
+def _set_attribute(name: str, value) -> Callable[[Muon], None]:
+    return lambda opt: setattr(opt, name, value)
+
+
+_edited_case("edited_lr_on_one_rank", "lr", _set_group(0, "lr", 0.03))
+_edited_case("edited_adamw_lr_on_one_rank", "lr", _set_group(1, "lr", 0.002))
+_edited_case("edited_beta2_on_one_rank", "beta2", _set_group(1, "beta2", 0.9))
+_edited_case("edited_invalid_lr_on_one_rank", "lr", _set_group(0, "lr", -1.0))
+_edited_case("edited_adjust_lr_on_one_rank", "adjust_lr", _set_group(0, "adjust_lr", "rms_norm"))
+_edited_case("edited_momentum_alias_on_one_rank", "momentum", _set_group(0, "momentum", 0.5))
+_edited_case(
+    "edited_tensor_lr_on_one_rank",
+    "lr",
+    lambda opt: opt.param_groups[0]["lr"].fill_(0.05),
+    lr=torch.tensor(0.02),
+)
+_edited_case(
+    "edited_impl_on_one_rank", "newton_schulz_impl", _set_attribute("newton_schulz_impl", "gram")
+)
+_edited_case("edited_budget_on_one_rank", "workspace_bytes", _set_attribute("workspace_bytes", 64))
+_edited_case("edited_rotation_on_one_rank", "rotate_owners", _set_attribute("rotate_owners", False))
+_edited_case(
+    "edited_check_grads_on_one_rank", "check_grads", _set_attribute("check_grads", "never")
+)
+_edited_case("edited_overlap_on_one_rank", "overlap", _set_attribute("overlap", "forward"))
+_edited_case("edited_in_flight_on_one_rank", "max_in_flight", _set_attribute("max_in_flight", 1))
+_edited_case(
+    "edited_ns_dtype_on_one_rank", "newton_schulz_dtype", _set_attribute("newton_schulz_dtype", 7)
+)
+
+
+@case("same_edit_on_every_rank_steps_as_built_so")
+def _same_edit(ctx: Context) -> None:
+    """Planned and live settings changed alike on every rank after step 1: no error, and the
+    next steps are bitwise those of an optimizer built with the new settings' state."""
+    specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,))]
+    params, opt = _build(ctx, specs)
+    reference_params, reference = _build(ctx, specs)
+    for p, q in ((params, opt), (reference_params, reference)):
+        set_placed_constant_grads(ctx, p, specs)
+        q.step()
+    opt.workspace_bytes, opt.newton_schulz_impl = 1024, "per-matrix"
+    opt.param_groups[0]["lr"] = 0.03
+    reference.workspace_bytes, reference.newton_schulz_impl = 1024, "per-matrix"
+    reference.param_groups[0]["lr"] = 0.03
+    for _ in range(2):
+        opt.step()
+        reference.step()
+    differ = [
+        i
+        for i, (p, q) in enumerate(zip(params, reference_params))
+        if not torch.equal(full(p), full(q))
+    ]
+    fail_on([f"params {differ} differ from the reference"] if differ else [])
 
 
 @case("step_chunk_out_of_order_raises_before_any_collective")

@@ -267,17 +267,21 @@ def agreement_groups_of(params: list[torch.Tensor], flatten: bool) -> set[tuple[
 def check_step_collectives(
     calls: list[Collective], agreement_groups: int, first_step: bool, label: str
 ) -> list[str]:
-    """Only all-to-alls, plus (first step only) one 4-element int64 all-reduce per group."""
+    """Only all-to-alls, plus one int64 all-reduce per group: the full check's 4 elements on
+    the first step, the live settings' 2 elements on every later one."""
     problems = []
     reduces = [c for c in calls if c.op == "c10d.allreduce_"]
     others = [c for c in calls if c.op not in ("c10d.allreduce_", "c10d.alltoall_base_")]
     if others:
         problems.append(f"{label}: collectives other than all-to-alls and the check: {others}")
-    want = agreement_groups if first_step else 0
-    if len(reduces) != want or any(c.numel != 4 or c.dtype != torch.int64 for c in reduces):
+    numel = 4 if first_step else 2
+    if len(reduces) != agreement_groups or any(
+        c.numel != numel or c.dtype != torch.int64 for c in reduces
+    ):
         problems.append(
-            f"{label}: all-reduces {reduces}, expected {want} of 4 int64 elements (the "
-            "agreement check: one per group on the first step, none later)"
+            f"{label}: all-reduces {reduces}, expected {agreement_groups} of {numel} int64 "
+            "elements (the agreement check: one per group, 4 elements on the first step, the "
+            "live settings' 2 later)"
         )
     return problems
 

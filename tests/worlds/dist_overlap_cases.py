@@ -8,6 +8,7 @@ every rank raises the same message on every rank and a restore recovers."""
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 import time
 from collections.abc import Callable
@@ -178,6 +179,51 @@ def fsdp2_model_bitwise(ctx: Context) -> None:
     _models_bitwise(ctx, _fully_shard(ctx.mesh))
 
 
+class PauseAfterEachChunk:
+    """The worker pauses after marking each chunk done: a forward woken by one chunk runs
+    well before the next is written (a read the waits do not cover meets old weights)."""
+
+    def __init__(self, seconds: float = 0.02) -> None:
+        self.seconds = seconds
+        self.mark = overlap_module.OverlappedStep._mark
+
+    def __enter__(self):
+        pause = self
+
+        def mark_then_pause(step, key):
+            pause.mark(step, key)
+            time.sleep(pause.seconds)
+
+        overlap_module.OverlappedStep._mark = mark_then_pause
+        return self
+
+    def __exit__(self, *exc) -> None:
+        overlap_module.OverlappedStep._mark = self.mark
+
+
+def fsdp2_forward_prefetch_bitwise(ctx: Context) -> None:
+    """FSDP2's explicit forward prefetch: each block all-gathers the next one in its own
+    pre-forward, before the next block's hook runs; the prefetching block waits for it."""
+
+    def wrap(model: nn.Module) -> nn.Module:
+        model = _fully_shard(ctx.mesh)(model)
+        blocks = list(model)[1:-1]
+        for block, following in itertools.pairwise(blocks):
+            block.set_modules_to_forward_prefetch([following])
+        return model
+
+    plain, overlapped = wrap(_layers()), wrap(_layers())
+    a = _optimizer(plain)
+    b = _optimizer(overlapped, overlap="forward")
+    b.overlap_with(overlapped)
+    losses_a = _train(ctx, plain, a, range(4))
+    with PauseAfterEachChunk():
+        losses_b = _train(ctx, overlapped, b, range(4))
+    assert losses_a == losses_b  # every forward saw the updated weights
+    b.synchronize()
+    assert_same_local_optimizers(a, list(plain.parameters()), b, list(overlapped.parameters()))
+
+
 def hsdp_model_split_replicas_bitwise(ctx: Context) -> None:
     _models_bitwise(ctx, _fully_shard(ctx.mesh_2d), split_replicas=True)
 
@@ -254,6 +300,7 @@ CASES_BY_WORLD: dict[int, dict[str, Callable[[Context], None]]] = {
         "placements_bitwise": placements_bitwise,
         "placements_bitwise_offloaded": placements_bitwise_offloaded,
         "fsdp2_model_bitwise": fsdp2_model_bitwise,
+        "fsdp2_forward_prefetch_bitwise": fsdp2_forward_prefetch_bitwise,
         "ddp_model_bitwise": ddp_model_bitwise,
         "a_failure_on_every_rank_raises_alike_and_a_restore_recovers": (
             a_failure_on_every_rank_raises_alike_and_a_restore_recovers

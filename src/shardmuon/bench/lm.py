@@ -6,7 +6,10 @@ its AdamW group (embeddings, norms, head) at the first of ``--muon-adamw-lrs``; 
 best lr, its AdamW group at the others; then, at Muon's best pair, each of ``--engines``.
 Every run has ``--seeds`` seeds (model init and data order) and records the max attention
 logit per step (recording changes no loss). "Best" is the lowest final held-out loss, the
-mean over the seeds. The tables: the final held-out loss of every run (mean and half the
+mean over the seeds. A run whose loss stops being finite, or that fails with non-finite
+weights, stops there and is recorded as diverged; the sweep goes on, and a setting with a
+diverged seed is never the best. When every Muon lr diverges there is no best lr, and the
+runs at it (its AdamW group's lrs, the engines) are left out. The tables: the final held-out loss of every run (mean and half the
 range over the seeds); per setting, the steps it needs to reach AdamW's best final held-out
 loss (interpolated between held-out evaluations) and its median step time. ``--plot``
 writes three PNGs (see :mod:`.lm_report`).
@@ -18,7 +21,13 @@ import argparse
 import dataclasses
 from typing import Any
 
-from shardmuon.bench.lm_report import best_key, plot_lm, print_lm_tables, summarize
+from shardmuon.bench.lm_report import (
+    best_key,
+    every_run_diverged_line,
+    plot_lm,
+    print_lm_tables,
+    summarize,
+)
 from shardmuon.bench.report import write_json
 from shardmuon.harness.cli_support import (
     HelpFormatter,
@@ -168,13 +177,19 @@ def sweep_configs(base, setting: str, optimizer: str, lr: float, seeds: int, **c
     """The configs of one setting at one lr, one per seed (labelled in ``extra``)."""
     from shardmuon.train.config import optim_settings
     from shardmuon.train.launch import ANNOUNCE
+    from shardmuon.train.loop import STOP_ON_DIVERGENCE
 
     optim = optim_settings(base.optim, lr=lr, **changes.pop("optim", {}))
     if optimizer == "adamw":
         changes["adamw_lr"] = None  # one lr for every group
     configs = []
     for seed in range(seeds):
-        extra = {"setting": setting, "seed": seed, ANNOUNCE: f"{setting}, lr {lr:g}, seed {seed}"}
+        extra = {
+            "setting": setting,
+            "seed": seed,
+            ANNOUNCE: f"{setting}, lr {lr:g}, seed {seed}",
+            STOP_ON_DIVERGENCE: True,  # a diverged run is a result; the sweep goes on
+        }
         configs.append(
             dataclasses.replace(
                 base, optimizer=optimizer, optim=optim, seed=seed, extra=extra, **changes
@@ -184,7 +199,8 @@ def sweep_configs(base, setting: str, optimizer: str, lr: float, seeds: int, **c
 
 
 def _run_all(configs) -> list[dict[str, Any]]:
-    """Train every config (one set of ranks for all); one row per run."""
+    """Train every config (one set of ranks for all); one row per run, each diverged one
+    noted on stderr."""
     from shardmuon.train.launch import run_sequentially, spawn_runs
 
     if configs[0].nproc == 1:
@@ -193,6 +209,13 @@ def _run_all(configs) -> list[dict[str, Any]]:
         results = spawn_runs(configs)
     rows = []
     for config, result in zip(configs, results):
+        stop = result.diverged or {}
+        if stop:
+            note(
+                f"shardmuon bench lm: {config.extra['setting']}, lr {config.optim.lr:g}, seed "
+                f"{config.seed} diverged at step {stop['step']} ({stop['reason']}); it is "
+                "recorded as diverged and the sweep goes on"
+            )
         rows.append(
             {
                 "setting": config.extra["setting"],
@@ -200,6 +223,10 @@ def _run_all(configs) -> list[dict[str, Any]]:
                 "lr": config.optim.lr,
                 "adamw_lr": config.adamw_lr,
                 "seed": config.seed,
+                "steps": config.steps,
+                "diverged": bool(stop),
+                "diverged_step": stop.get("step"),
+                "diverged_reason": stop.get("reason"),
                 "optim": config.optim.model_dump(mode="json"),
                 "eval": result.eval,
                 "losses": [result.losses[s] for s in sorted(result.losses)],
@@ -212,6 +239,33 @@ def _run_all(configs) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _run_at_muons_best(base, args, rows, others) -> list[dict[str, Any]]:
+    """The runs at Muon's best lr: its AdamW group at ``others``, then, at the best pair,
+    each of ``--engines``."""
+    _, muon_lr, _ = best_key(rows, "muon")
+    more = []
+    if others:
+        more += _run_all(
+            [
+                c
+                for group_lr in others
+                for c in sweep_configs(base, "muon", "muon", muon_lr, args.seeds, adamw_lr=group_lr)
+            ]
+        )
+    _, muon_lr, adamw_lr = best_key(rows + more, "muon")
+    engine_configs = []
+    for name in args.engines:
+        optim = dict(ENGINE_SETTINGS[name])
+        if name == "qk-clip":
+            optim["qk_clip_threshold"] = args.qk_clip_threshold
+        engine_configs += sweep_configs(
+            base, name, "muon", muon_lr, args.seeds, adamw_lr=adamw_lr, optim=optim
+        )
+    if engine_configs:
+        more += _run_all(engine_configs)
+    return more
 
 
 def run(args: argparse.Namespace) -> int:
@@ -237,27 +291,12 @@ def run(args: argparse.Namespace) -> int:
             for c in sweep_configs(base, "muon", "muon", lr, args.seeds, adamw_lr=first)
         ]
     )
-    _, muon_lr, _ = best_key(rows, "muon")
-    if others:
-        rows += _run_all(
-            [
-                c
-                for group_lr in others
-                for c in sweep_configs(base, "muon", "muon", muon_lr, args.seeds, adamw_lr=group_lr)
-            ]
-        )
-    _, muon_lr, adamw_lr = best_key(rows, "muon")
-    engine_configs = []
-    for name in args.engines:
-        optim = dict(ENGINE_SETTINGS[name])
-        if name == "qk-clip":
-            optim["qk_clip_threshold"] = args.qk_clip_threshold
-        engine_configs += sweep_configs(
-            base, name, "muon", muon_lr, args.seeds, adamw_lr=adamw_lr, optim=optim
-        )
-    if engine_configs:
-        rows += _run_all(engine_configs)
+    if best_key(rows, "muon") is not None:
+        rows += _run_at_muons_best(base, args, rows, others)
     summary = summarize(rows, args.qk_clip_threshold)
+    for name in summary["every_run_diverged"]:
+        skipped = " (no AdamW-group or engine runs)" if name == "muon" else ""
+        note(f"shardmuon bench lm: {every_run_diverged_line(summary, name)}{skipped}")
     print_lm_tables(summary, args)
     if args.json:
         from shardmuon.bench.report import environment
@@ -267,6 +306,9 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, payload)
         note_written(args.json, "results (JSON)")
     if args.plot:
-        for path, what in plot_lm(rows, summary, args.plot):
+        written = plot_lm(rows, summary, args.plot)
+        for path, what in written:
             note_written(path, what)
+        if not written:
+            note(f"shardmuon bench lm: no plot written to {args.plot}: every run diverged")
     return 0

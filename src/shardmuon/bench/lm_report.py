@@ -2,8 +2,12 @@
 rows), its tables, and its three PNGs.
 
 A run row (see :func:`shardmuon.bench.lm._run_all`) holds its setting, optimizer, lr, seed,
-held-out losses ``eval`` (``{"step", "tokens", "loss"}``), median step seconds and max
-logits. The PNGs, from ``--plot PATH``:
+steps, held-out losses ``eval`` (``{"step", "tokens", "loss"}``), median step seconds, max
+logits, and whether it diverged. A configuration (a setting at one lr pair) diverged when
+any of its seeds did: its losses are left out of the figures (``null``, ``"diverged":
+true``), it is never the best lr, and when every configuration of an optimizer diverged the
+summary says so (``every_run_diverged``) and has no best lr for it. The PNGs, from
+``--plot PATH``:
 
 * ``PATH``: held-out loss against tokens, AdamW and Muon at their best lr (the mean over
   the seeds, the band from the lowest to the highest seed), AdamW's final loss dotted;
@@ -25,6 +29,8 @@ from shardmuon.bench.report import fmt, print_table
 
 __all__ = [
     "best_key",
+    "diverged",
+    "every_run_diverged_line",
     "final_loss",
     "plot_lm",
     "print_lm_tables",
@@ -39,6 +45,14 @@ STEPS_RATIO_TARGET = 0.7
 def final_loss(row: dict[str, Any]) -> float:
     """The last held-out loss of a run."""
     return row["eval"][-1]["loss"]
+
+
+def diverged(row: dict[str, Any]) -> bool:
+    """Whether a run diverged: it says so, or its last held-out loss is not finite."""
+    if row.get("diverged"):
+        return True
+    loss = final_loss(row) if row["eval"] else None
+    return loss is None or not math.isfinite(loss)
 
 
 def steps_to_reach(evals: Sequence[dict[str, Any]], target: float) -> float | None:
@@ -65,6 +79,16 @@ def _spread(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def _final_spread(group: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The spread of the seeds' final held-out losses; ``None`` figures when any diverged."""
+    count = sum(diverged(r) for r in group)
+    if count:
+        figures = dict.fromkeys(("mean", "half_range", "min", "max"))
+        return {**figures, "diverged": True, "diverged_seeds": count, "seeds": len(group)}
+    finals = [final_loss(r) for r in group]
+    return {**_spread(finals), "diverged": False, "diverged_seeds": 0, "seeds": len(group)}
+
+
 Key = tuple[str, float, "float | None"]
 
 
@@ -76,25 +100,57 @@ def _groups(rows: Sequence[dict[str, Any]]) -> dict[Key, list[dict[str, Any]]]:
     return out
 
 
-def best_key(rows: Sequence[dict[str, Any]], setting: str) -> Key:
+def best_key(rows: Sequence[dict[str, Any]], setting: str) -> Key | None:
     """The ``(setting, lr, adamw_lr)`` of ``setting`` with the lowest mean final held-out
-    loss over its seeds."""
+    loss over its seeds, among those none of whose seeds diverged; ``None`` when every one
+    diverged. Raises ``ValueError`` when ``rows`` holds no run of ``setting``."""
+    groups = {key: group for key, group in _groups(rows).items() if key[0] == setting}
+    if not groups:
+        raise ValueError(f"no {setting} run to choose an lr from")
     means = {
         key: statistics.fmean(final_loss(r) for r in group)
-        for key, group in _groups(rows).items()
-        if key[0] == setting
+        for key, group in groups.items()
+        if not any(diverged(r) for r in group)
     }
-    if not means:
-        raise ValueError(f"no {setting} run to choose an lr from")
-    return min(means, key=means.get)
+    return min(means, key=means.get) if means else None
 
 
 def _intervals_overlap(a: dict[str, float], b: dict[str, float]) -> bool:
     return a["min"] <= b["max"] and b["min"] <= a["max"]
 
 
+def _setting_entry(
+    key: Key, group: Sequence[dict[str, Any]], target: float | None, steps: int
+) -> dict[str, Any]:
+    """One row of the comparison at the best lrs: ``key``'s final loss, steps to ``target``
+    (AdamW's best final loss), step time and max logit."""
+    name, lr, group_lr = key
+    final = _final_spread(group)
+    reach = None
+    if name == "adamw" and not final["diverged"]:
+        reach = float(steps)  # AdamW reaches its own final loss at its last step
+    elif target is not None and not final["diverged"]:
+        reached = [steps_to_reach(r["eval"], target) for r in group]
+        reach = None if None in reached else statistics.fmean(reached)
+    return {
+        "setting": name,
+        "lr": lr,
+        "adamw_lr": group_lr,
+        "diverged": final["diverged"],
+        "final": final,
+        "steps_to_target": reach,
+        "steps_ratio": None if reach is None else reach / steps,
+        "step_seconds": statistics.fmean(r["step_seconds"] for r in group),
+        "max_logit": max(max(r["max_logits"], default=-math.inf) for r in group),
+    }
+
+
 def summarize(rows: Sequence[dict[str, Any]], qk_clip_threshold: float | None) -> dict[str, Any]:
-    """The figures of the tables: the lr grid, the comparison at the best lrs, the targets."""
+    """The figures of the tables: the lr grid, the comparison at the best lrs, the targets.
+
+    An optimizer every configuration of which diverged has no best lr (``None``) and is
+    listed in ``every_run_diverged``; the comparison then leaves it out.
+    """
     groups = _groups(rows)
     adamw, muon = best_key(rows, "adamw"), best_key(rows, "muon")
     grid = [
@@ -103,42 +159,35 @@ def summarize(rows: Sequence[dict[str, Any]], qk_clip_threshold: float | None) -
             "lr": key[1],
             "adamw_lr": key[2],
             "best": key in (adamw, muon),
-            **_spread([final_loss(r) for r in group]),
+            **_final_spread(group),
         }
         for key, group in groups.items()
         if key[0] in ("adamw", "muon")
     ]
-    steps = max(point["step"] for row in rows for point in row["eval"])
-    target = statistics.fmean(final_loss(r) for r in groups[adamw])
-    compared = [adamw, muon, *(key for key in groups if key[0] not in ("adamw", "muon"))]
-    settings = []
-    for key in compared:
-        name, lr, group_lr = key
-        group = groups[key]
-        reached = [steps_to_reach(r["eval"], target) for r in group]
-        reach = None if None in reached else statistics.fmean(reached)
-        if name == "adamw":
-            reach = float(steps)  # AdamW reaches its own final loss at its last step
-        settings.append(
-            {
-                "setting": name,
-                "lr": lr,
-                "adamw_lr": group_lr,
-                "final": _spread([final_loss(r) for r in group]),
-                "steps_to_target": reach,
-                "steps_ratio": None if reach is None else reach / steps,
-                "step_seconds": statistics.fmean(r["step_seconds"] for r in group),
-                "max_logit": max(max(r["max_logits"], default=-math.inf) for r in group),
-            }
+    # The run length (a diverged run's evaluations stop early).
+    steps = max(row.get("steps", max(p["step"] for p in row["eval"])) for row in rows)
+    target = None if adamw is None else statistics.fmean(final_loss(r) for r in groups[adamw])
+    compared = [key for key in (adamw, muon) if key is not None]
+    compared += [key for key in groups if key[0] not in ("adamw", "muon")]
+    settings = [_setting_entry(key, groups[key], target, steps) for key in compared]
+    by_name = {entry["setting"]: entry for entry in settings}
+    default, baseline = by_name.get("muon"), by_name.get("adamw")
+    engines = [entry for entry in settings if entry["setting"] not in ("adamw", "muon")]
+    for entry in engines:
+        entry["within_default_spread"] = (
+            None
+            if default is None
+            else not entry["diverged"] and _intervals_overlap(entry["final"], default["final"])
         )
-    default = settings[1]
-    for entry in settings[2:]:
-        entry["within_default_spread"] = _intervals_overlap(entry["final"], default["final"])
-    muon_ratio = default["steps_ratio"]
+    muon_ratio = None if default is None else default["steps_ratio"]
+    lower = default is not None and baseline is not None
     return {
         "steps": steps,
-        "adamw": list(adamw),
-        "muon": list(muon),
+        "adamw": None if adamw is None else list(adamw),
+        "muon": None if muon is None else list(muon),
+        "every_run_diverged": [
+            name for name, key in (("adamw", adamw), ("muon", muon)) if key is None
+        ],
         "target_loss": target,
         "qk_clip_threshold": qk_clip_threshold,
         "grid": grid,
@@ -146,14 +195,26 @@ def summarize(rows: Sequence[dict[str, Any]], qk_clip_threshold: float | None) -
         "targets": {
             "muon_steps_ratio": muon_ratio,
             "muon_steps_ratio_met": muon_ratio is not None and muon_ratio <= STEPS_RATIO_TARGET,
-            "muon_lower_final_met": default["final"]["mean"] < settings[0]["final"]["mean"],
-            "engines_within_spread_met": all(s["within_default_spread"] for s in settings[2:]),
+            "muon_lower_final_met": lower and default["final"]["mean"] < baseline["final"]["mean"],
+            "engines_within_spread_met": all(e["within_default_spread"] for e in engines),
         },
     }
 
 
-def _loss_cell(spread: dict[str, float]) -> str:
+def _loss_cell(spread: dict[str, Any]) -> str:
+    if spread.get("diverged"):
+        count, seeds = spread["diverged_seeds"], spread["seeds"]
+        return "diverged" if count == seeds else f"diverged ({count} of {seeds} seeds)"
     return f"{spread['mean']:.4f} ± {spread['half_range']:.4f}"
+
+
+OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon"}
+
+
+def every_run_diverged_line(summary: dict[str, Any], name: str) -> str:
+    """One line saying that every run of ``name`` diverged, with its lrs."""
+    lrs = ", ".join(f"{g['lr']:g}" for g in summary["grid"] if g["setting"] == name)
+    return f"every {OPTIMIZER_NAMES[name]} run diverged (lr {lrs}): it has no best lr"
 
 
 def print_lm_tables(summary: dict[str, Any], args) -> None:
@@ -174,9 +235,15 @@ def print_lm_tables(summary: dict[str, Any], args) -> None:
         ],
         legend=[
             ("AdamW group lr", "Muon's AdamW group (embeddings, norms, head)"),
-            ("final held-out", "nats per byte: mean ± half the range over the seeds"),
+            (
+                "final held-out",
+                "nats per byte: mean ± half the range over the seeds; 'diverged': a seed's "
+                "loss stopped being finite, or its run failed with non-finite weights",
+            ),
         ],
     )
+    for name in summary["every_run_diverged"]:
+        print(every_run_diverged_line(summary, name))
     target = summary["target_loss"]
     rows = []
     for s in summary["settings"]:
@@ -192,18 +259,27 @@ def print_lm_tables(summary: dict[str, Any], args) -> None:
                 "" if within is None else ("yes" if within else "no"),
             ]
         )
-    print_table(
-        f"at the best lrs, Muon's AdamW group at {fmt(summary['muon'][2], 'g')}, "
-        f"AdamW's final held-out loss {target:.4f}",
-        ["setting", "lr", "final held-out", "steps", "x AdamW", "s/step", "in\nspread"],
-        rows,
-        legend=[
-            ("steps", "to reach AdamW's final held-out loss (mean over seeds; '-': not all did)"),
-            ("x AdamW", "steps / AdamW's steps (its run length)"),
-            ("s/step", "median step time, mean over seeds (a shared CPU: noisy)"),
-            ("in spread", "the seeds' range overlaps the default (muon) row's"),
-        ],
-    )
+    if rows:
+        group_lr = "-" if summary["muon"] is None else fmt(summary["muon"][2], "g")
+        reference = (
+            "no AdamW run finished"
+            if target is None
+            else f"AdamW's final held-out loss {target:.4f}"
+        )
+        print_table(
+            f"at the best lrs, Muon's AdamW group at {group_lr}, {reference}",
+            ["setting", "lr", "final held-out", "steps", "x AdamW", "s/step", "in\nspread"],
+            rows,
+            legend=[
+                (
+                    "steps",
+                    "to reach AdamW's final held-out loss (mean over seeds; '-': not all did)",
+                ),
+                ("x AdamW", "steps / AdamW's steps (its run length)"),
+                ("s/step", "median step time, mean over seeds (a shared CPU: noisy)"),
+                ("in spread", "the seeds' range overlaps the default (muon) row's"),
+            ],
+        )
     met = summary["targets"]
     ratio = met["muon_steps_ratio"]
     print(
@@ -271,16 +347,20 @@ def _zoom_on_tail(ax, lows: Sequence[float], highs: Sequence[float]) -> None:
     ax.set_ylim(bottom - 0.05 * (top - bottom), top)
 
 
-def _plot_optimizers(groups, summary, path: Path) -> Path:
+def _plot_optimizers(groups, summary, path: Path) -> Path | None:
+    keys = [key for key in (summary["adamw"], summary["muon"]) if key is not None]
+    if not keys:
+        return None  # every run diverged: no curve to draw
     fig, ax = _new_figure()
     lows, highs = [], []
-    for key in (summary["adamw"], summary["muon"]):
+    for key in keys:
         tokens, mean, low, high = _curve(groups[tuple(key)])
         (line,) = ax.plot(tokens, mean, marker="o", markersize=3, label=_label(key))
         ax.fill_between(tokens, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
         lows.append(low)
         highs.append(high)
-    ax.axhline(summary["target_loss"], color="gray", linestyle=":", label="AdamW's final")
+    if summary["target_loss"] is not None:
+        ax.axhline(summary["target_loss"], color="gray", linestyle=":", label="AdamW's final")
     _zoom_on_tail(ax, lows, highs)
     _token_axis(ax)
     ax.set_ylabel("held-out loss (nats per byte)")
@@ -290,11 +370,21 @@ def _plot_optimizers(groups, summary, path: Path) -> Path:
     return _save(fig, path)
 
 
+def _engine_entries(summary) -> list[dict[str, Any]]:
+    """The default (muon) row then each engine's, when Muon has a best lr."""
+    if summary["muon"] is None:
+        return []
+    return [s for s in summary["settings"] if s["setting"] != "adamw"]
+
+
 def _plot_engines(groups, summary, path: Path) -> Path:
     fig, (ax, final_ax) = _new_figure(12.0, 5.0, 2)
-    names = [s["setting"] for s in summary["settings"][1:]]
+    entries = _engine_entries(summary)
+    names = [s["setting"] + (" (diverged)" if s["diverged"] else "") for s in entries]
     lows, highs = [], []
-    for index, entry in enumerate(summary["settings"][1:]):
+    for index, entry in enumerate(entries):
+        if entry["diverged"]:
+            continue  # named on the right, no curve
         tokens, mean, low, high = _curve(groups[(entry["setting"], entry["lr"], entry["adamw_lr"])])
         # Curves that lie on each other stay told apart by their dashes.
         dashes = ("-", "--", "-.", ":")[index % 4]
@@ -307,10 +397,12 @@ def _plot_engines(groups, summary, path: Path) -> Path:
     ax.set_title(f"engines at {_label(summary['muon'])}, mean over seeds", fontsize=10)
     ax.grid(True, alpha=0.3)
     _legend_beside(ax)
-    finals = [s["final"] for s in summary["settings"][1:]]
+    finals = [s["final"] for s in entries]
     default = finals[0]
     final_ax.axvspan(default["min"], default["max"], color="gray", alpha=0.2)
     for row, spread in enumerate(finals):
+        if spread["diverged"]:
+            continue
         final_ax.errorbar(
             spread["mean"], row, xerr=[[spread["mean"] - spread["min"]], [spread["max"] - spread["mean"]]],
             fmt="o", color="C0", capsize=3,
@@ -325,19 +417,25 @@ def _plot_engines(groups, summary, path: Path) -> Path:
     return _save(fig, path)
 
 
+def _steps(values: Sequence[float]) -> range:
+    return range(1, len(values) + 1)  # a diverged run's are fewer
+
+
 def _plot_logits(rows, summary, path: Path) -> Path | None:
+    if summary["muon"] is None:
+        return None
     clipped = [r for r in rows if r["setting"] == "qk-clip" and r["seed"] == 0]
     default = list(summary["muon"])
     plain = [r for r in rows if [r["setting"], r["lr"], r["adamw_lr"]] == default and not r["seed"]]
     if not clipped or not plain:
         return None
     fig, ax = _new_figure()
-    steps = range(1, len(plain[0]["max_logits"]) + 1)
-    ax.plot(steps, plain[0]["max_logits"], label="muon, no clip")
-    ax.plot(steps, clipped[0]["max_logits"], label="muon + QK-clip: before the clip")
+    ax.plot(_steps(plain[0]["max_logits"]), plain[0]["max_logits"], label="muon, no clip")
+    before, after = clipped[0]["max_logits"], clipped[0]["max_logits_after"]
+    ax.plot(_steps(before), before, label="muon + QK-clip: before the clip")
     ax.plot(
-        steps,
-        clipped[0]["max_logits_after"],
+        _steps(after),
+        after,
         linestyle="--",
         label="muon + QK-clip: after the clip",
     )
@@ -353,11 +451,15 @@ def _plot_logits(rows, summary, path: Path) -> Path | None:
 def plot_lm(
     rows: Sequence[dict[str, Any]], summary: dict[str, Any], plot: str
 ) -> list[tuple[Path, str]]:
-    """Write the PNGs (see the module docstring); ``(path, what)`` of each written."""
+    """Write the PNGs (see the module docstring); ``(path, what)`` of each written (none
+    of a figure whose every run diverged)."""
     base = Path(plot)
     groups = _groups(rows)
-    written = [(_plot_optimizers(groups, summary, base), "Muon vs AdamW (PNG)")]
-    if len(summary["settings"]) > 2:
+    written = []
+    optimizers = _plot_optimizers(groups, summary, base)
+    if optimizers is not None:
+        written.append((optimizers, "Muon vs AdamW (PNG)"))
+    if len(_engine_entries(summary)) > 1:
         path = base.with_name(f"{base.stem}-engines{base.suffix}")
         written.append((_plot_engines(groups, summary, path), "engines (PNG)"))
     logits = _plot_logits(rows, summary, base.with_name(f"{base.stem}-logits{base.suffix}"))

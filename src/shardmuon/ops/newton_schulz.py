@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from shardmuon.ops.normalize import Normalized, normalize
+from shardmuon.ops.normalize import Normalized, normalize, normalize_unit
 
 __all__ = [
     "NS_PRESETS",
@@ -192,8 +192,10 @@ def orthogonalize_with(
     """The frame every engine shares: ``G[..., m, n]`` turned wide (``m <= n``) and 3-D,
     normalised once (:func:`shardmuon.ops.normalize.normalize`: fp32 norm, overflow-safe,
     non-finite matrices zeroed), ``iterate(X[B, m, n], coefficients)`` run on it in
-    ``dtype`` (with ``preconditioner="aol"``: :func:`aol_rescale_` on its first Gram
-    matrix), and the result put back in ``G``'s shape.
+    ``dtype`` (with ``preconditioner="aol"``: normalised to unit norm instead,
+    :func:`shardmuon.ops.normalize.normalize_unit`, and :func:`aol_rescale_` on its first
+    Gram matrix with the floor ``||G|| / (||G|| + eps)``, passed as ``eps_floor``), and the
+    result put back in ``G``'s shape.
 
     Returns the result (``dtype``, ``[..., m, n]``) and the ``[B]`` mask of matrices that
     held a non-finite entry (their result is zero). With ``overwrite_input=True`` a
@@ -208,8 +210,14 @@ def orthogonalize_with(
     X, transposed = _as_wide(G)
     X, shape = _as_batch3d(X)
     in_place = overwrite_input and X.dtype == dtype and X.is_contiguous() and not transposed
-    X, nonfinite = normalize(X, eps, dtype, out=X if in_place else None)
-    X = iterate(X, coeffs, preconditioner=check_preconditioner(preconditioner)).reshape(shape)
+    out = X if in_place else None
+    if check_preconditioner(preconditioner) == "aol":
+        (X, nonfinite), floor = normalize_unit(X, eps, dtype, out=out)
+        X = iterate(X, coeffs, preconditioner="aol", eps_floor=floor)
+    else:
+        X, nonfinite = normalize(X, eps, dtype, out=out)
+        X = iterate(X, coeffs, preconditioner=preconditioner)
+    X = X.reshape(shape)
     return Normalized(X.mT if transposed else X, nonfinite)
 
 
@@ -225,16 +233,25 @@ def check_preconditioner(preconditioner: str | None) -> str | None:
     return preconditioner
 
 
-def aol_rescale_(X: Tensor, A: Tensor) -> None:
+def aol_rescale_(X: Tensor, A: Tensor, eps_floor: Tensor | None = None) -> None:
     """AOL preconditioning, in place: ``X <- D X`` and ``A <- D A D`` with
-    ``D = diag((sum_j |A_ij|)^-1/2)``, where ``A = X X^T`` (``X[..., m, n]``, ``m <= n``).
+    ``D = f diag((sum_j |A_ij|)^-1/2)``, where ``A = X X^T`` (``X[..., m, n]``, ``m <= n``)
+    and ``f`` is ``eps_floor`` (one fp32 factor per matrix, ``X.shape[:-2]``; ``None``: 1).
 
-    ``||D X||_2 <= 1`` (the row sums of ``|A|`` bound its largest eigenvalue after the
+    ``||D X||_2 <= f`` (the row sums of ``|A|`` bound its largest eigenvalue after the
     diagonal scaling: Prach & Lampert's almost-orthogonal layers), and the scaling evens
     the rows out, so the iteration starts better conditioned than from the Frobenius
     normalisation (Boissin et al., Turbo-Muon, arXiv:2512.04632). The scaled Gram matrix
     is the first iteration's ``A``: no GEMM is added. ``D`` is computed in fp32; ``X`` and
     ``A`` are rounded once each. A zero row stays zero.
+
+    The row scaling does not depend on ``X``'s scale, but its row sums do: they must come
+    from a Gram matrix that has not underflowed in ``X``'s dtype. The engines therefore
+    pass a unit-norm ``X`` (:func:`shardmuon.ops.normalize.normalize_unit`) and the
+    normalisation's eps floor ``f = ||G|| / (||G|| + eps)``: a gradient far below ``eps``
+    is damped as without AOL (``||D X||_2 <= f``, ``~||G|| / eps``) instead of the Gram
+    matrix of ``G / eps`` underflowing (fp16 below ``||G|| ~ 1e-10``, bf16 and fp32 below
+    ``~1e-26``) and ``D`` losing its bound.
     """
     wide = torch.float64 if A.dtype == torch.float64 else torch.float32
     row_sums = A.abs().sum(dim=-1, dtype=wide)
@@ -244,10 +261,17 @@ def aol_rescale_(X: Tensor, A: Tensor) -> None:
         # would come out 1e19). Its diagonal ||x_i||^2 is taken from X in fp32 instead, and
         # written back after the scaling, where it is representable again.
         squares = torch.linalg.vector_norm(X, dim=-1, dtype=wide).square_()
-        row_sums += squares - A.diagonal(dim1=-2, dim2=-1).abs().to(wide)
+        # An off-diagonal entry below fp16's normal range is rounded to a multiple of 2^-24
+        # (or to 0, two small rows' products): it may have lost up to 2^-25. Adding that for
+        # each of the m - 1 keeps every row sum an upper bound, so the bound holds whatever
+        # the rows' relative sizes (at most 2^-25 m against row sums of about n^-1/2).
+        lost = (A.size(-1) - 1) * 2.0**-25
+        row_sums += squares - A.diagonal(dim1=-2, dim2=-1).abs().to(wide) + lost
     # The row sums hold each row's own ||x_i||^2 (exactly, in fp16 too), so d_i <= 1/||x_i||
     # and every scaled row stays within norm 1: no scale can overflow X's dtype.
     d = row_sums.clamp_min_(torch.finfo(wide).tiny).rsqrt_()
+    if eps_floor is not None:
+        d.mul_(eps_floor.unsqueeze(-1))  # [..., m]: one small kernel
     # Both products in fp32, each rounded once: rounding d, or D A D's scales, to bf16
     # first costs 1.2-1.8x the error (A must stay the Gram matrix of the scaled X).
     X.mul_(d.unsqueeze(-1))
@@ -257,13 +281,17 @@ def aol_rescale_(X: Tensor, A: Tensor) -> None:
 
 
 def iterate_folded(
-    X: Tensor, coefficients: Coefficients, preconditioner: str | None = None
+    X: Tensor,
+    coefficients: Coefficients,
+    preconditioner: str | None = None,
+    eps_floor: Tensor | None = None,
 ) -> Tensor:
     """The folded quintic on a normalised wide ``X[B, m, n]`` (``m <= n``), in ``X``'s dtype.
 
     For each ``(a, b, c)``: ``A = X X^T``; ``B = b A + c A A``; ``X = a X + B X``, the last
     two each one ``baddbmm`` with one rounding. ``X`` is used as one of the two buffers (its
-    contents are lost); returns ``[B, m, n]``.
+    contents are lost); returns ``[B, m, n]``. ``preconditioner="aol"``:
+    :func:`aol_rescale_` on the first ``A``, with ``eps_floor`` (``[B]``).
     """
     # One matrix goes through the 2-D kernels: on an AVX2 CPU, bf16 bmm with a batch of 1
     # can be several times slower than mm. Neither gives the bits of a larger batch for
@@ -271,6 +299,7 @@ def iterate_folded(
     single = X.size(0) == 1
     if single:
         X, matmul, matmul_add = X[0], torch.mm, torch.addmm
+        eps_floor = None if eps_floor is None else eps_floor[0]
     else:
         matmul, matmul_add = torch.bmm, torch.baddbmm
     gram_shape = (*X.shape[:-1], X.size(-2))
@@ -280,7 +309,7 @@ def iterate_folded(
     for step, (a, b, c) in enumerate(coefficients):
         matmul(X, X.mT, out=A)
         if step == 0 and preconditioner == "aol":
-            aol_rescale_(X, A)
+            aol_rescale_(X, A, eps_floor)
         matmul_add(A, A, A, beta=b, alpha=c, out=B)
         matmul_add(X, B, X, beta=a, alpha=1.0, out=spare)
         X, spare = spare, X
@@ -289,14 +318,17 @@ def iterate_folded(
 
 
 def iterate_unfolded(
-    X: Tensor, coefficients: Coefficients, preconditioner: str | None = None
+    X: Tensor,
+    coefficients: Coefficients,
+    preconditioner: str | None = None,
+    eps_floor: Tensor | None = None,
 ) -> Tensor:
     """The textbook quintic (dion's recipe) on a normalised wide ``X[B, m, n]``: ``A @ A``
     and ``B @ X`` rounded to ``X``'s dtype before the scale-and-adds."""
     for step, (a, b, c) in enumerate(coefficients):
         A = X @ X.mT
         if step == 0 and preconditioner == "aol":
-            aol_rescale_(X, A)  # the normalised input is the iteration's own
+            aol_rescale_(X, A, eps_floor)  # the normalised input is the iteration's own
         B = b * A + c * (A @ A)
         X = a * X + B @ X
     return X
@@ -387,7 +419,10 @@ _compiled_iterate = None
 
 
 def compiled_iterate_folded(
-    X: Tensor, coefficients: Coefficients, preconditioner: str | None = None
+    X: Tensor,
+    coefficients: Coefficients,
+    preconditioner: str | None = None,
+    eps_floor: Tensor | None = None,
 ) -> Tensor:
     """:func:`iterate_folded` through ``torch.compile`` (compiled on first use, per shape
     and dtype). Inductor may fuse and reorder, so results are close to, not bitwise equal
@@ -395,7 +430,7 @@ def compiled_iterate_folded(
     global _compiled_iterate
     if _compiled_iterate is None:
         _compiled_iterate = torch.compile(iterate_folded, dynamic=False)
-    return _compiled_iterate(X, coefficients, preconditioner)
+    return _compiled_iterate(X, coefficients, preconditioner, eps_floor)
 
 
 def newton_schulz_compiled(

@@ -82,17 +82,19 @@ def iterate_gram(
     restarts: Sequence[int] | None = None,
     gemm_dtype: torch.dtype | None = None,
     preconditioner: str | None = None,
+    eps_floor: Tensor | None = None,
 ) -> Tensor:
     """The Gram iteration on a normalised wide ``X[B, m, n]`` (``m <= n``), ``X`` held in
     its dtype; returns ``[B, m, n]`` in that dtype. Square matrices run the folded one.
 
     ``restarts``: the steps (1-based) after which to restart; ``None``: the default
     (:func:`default_restarts`), ``()``: none. ``gemm_dtype``: what the GEMMs run in
-    (``None``: :func:`gram_gemm_dtype`).
+    (``None``: :func:`gram_gemm_dtype`). ``preconditioner``, ``eps_floor``: as
+    :func:`~shardmuon.ops.newton_schulz.iterate_folded`'s.
     """
     m, n = X.shape[-2:]
     if m == n:
-        return iterate_folded(X, coefficients, preconditioner)
+        return iterate_folded(X, coefficients, preconditioner, eps_floor)
     dtype = X.dtype
     steps = len(coefficients)
     restart_after = frozenset(default_restarts(steps) if restarts is None else restarts)
@@ -102,7 +104,7 @@ def iterate_gram(
     base = X.to(chain)
     R = torch.bmm(base, base.mT)
     if preconditioner == "aol":
-        aol_rescale_(base, R)  # the normalised input is the iteration's own
+        aol_rescale_(base, R, eps_floor)  # the normalised input is the iteration's own
     Q: Tensor | None = None  # None: the identity
     for k, (a, b, c) in enumerate(coefficients, start=1):
         P = torch.baddbmm(R, R, R, beta=b, alpha=c)

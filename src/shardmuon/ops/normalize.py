@@ -16,6 +16,10 @@ needs anyway:
   the stream, the norm is accumulated in fp64 instead (a memory-bound reduction: no
   overflow or underflow for any fp32/bf16/fp16 input, one pass) and the mask is applied
   unconditionally (one element-wise pass, no synchronisation).
+
+AOL's variant, :func:`normalize_unit`, keeps the same promises in the same pass and hands
+the quotient back in two factors: ``X / ||X||`` and the ``[B]`` floor
+``||X|| / (||X|| + eps)``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ __all__ = [
     "Normalized",
     "frobenius_norm_fp32",
     "normalize",
+    "normalize_unit",
     "normalize_without_sync",
 ]
 
@@ -41,6 +46,7 @@ NORMALIZE_CHUNK_ELEMENTS = 4 * 2**20
 # (Entries under 2^-63 square below fp32's smallest normal; with a norm of at least 2^-40
 # what they could add is under n * 2^-46 of it.)
 _SMALLEST_TRUSTED_NORM = 2.0**-40
+_FP32_TINY = torch.finfo(torch.float32).tiny
 
 
 class Normalized(NamedTuple):
@@ -98,17 +104,47 @@ def normalize(
     or underflows, on a CPU; always elsewhere) the matrix is first scaled by a power of two
     ``s`` (exact) and divided by ``||s X|| + s eps``: the same quotient, representable.
     """
+    normalized, _ = _normalize(X, eps, dtype, out, unit=False)
+    return normalized
+
+
+def normalize_unit(
+    X: Tensor, eps: float, dtype: torch.dtype = torch.bfloat16, out: Tensor | None = None
+) -> tuple[Normalized, Tensor]:
+    """:func:`normalize`'s quotient in two factors: ``X / ||X||_F`` (in ``dtype``; a zero
+    matrix stays zero) and the fp32 ``[B]`` floor ``||X||_F / (||X||_F + eps)`` (0 for a
+    zero or non-finite matrix), whose product is ``X / (||X||_F + eps)``.
+
+    For AOL (:func:`shardmuon.ops.newton_schulz.aol_rescale_`): its Gram matrix must not
+    underflow in the iteration's dtype, which ``X / (||X|| + eps)`` of a gradient far below
+    ``eps`` does (entries ``~(||X|| / eps)^2``); the unit matrix's do not, and the floor is
+    applied with AOL's own scaling, in fp32. Same pass, same promises (overflow-safe,
+    non-finite matrices zeroed and flagged); on a CPU a zero norm always takes the rare path
+    (whether its squares underflowed decides the unit matrix, not only the floor).
+    """
+    normalized, floor = _normalize(X, eps, dtype, out, unit=True)
+    return normalized, floor
+
+
+def _normalize(
+    X: Tensor, eps: float, dtype: torch.dtype, out: Tensor | None, unit: bool
+) -> tuple[Normalized, Tensor | None]:
+    """:func:`normalize` (``unit=False``: floor ``None``) or :func:`normalize_unit`."""
     if X.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         X = X.float()
     batch = X.size(0)
     if out is None:
         out = torch.empty(X.shape, dtype=dtype, device=X.device)
     if X.device.type != "cpu":
-        return normalize_without_sync(X, eps, out)
+        return _normalize_without_sync(X, eps, out, unit)
     denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    suspects = _suspects(denom, eps)  # a [B] check on the host: free on a CPU
+    # A unit matrix needs the true norm even where eps would dwarf what underflowed.
+    suspects = _suspects(denom, 0.0 if unit else eps)  # a [B] check on the host: free on a CPU
     nonfinite = torch.zeros(batch, dtype=torch.bool, device=X.device)
-    denom.add_(eps)
+    # Unit: the plain norms left are in [2^-40, inf), the divisor as it is.
+    floor = denom / (denom + eps) if unit else None
+    if not unit:
+        denom.add_(eps)
     # ``out`` may be ``X`` itself: then the rare rows are done first and divided by 1 in
     # the plain pass (exact); otherwise the plain pass first, the rare rows over it.
     aliased = out.data_ptr() == X.data_ptr()
@@ -119,13 +155,19 @@ def normalize(
         scale = _power_of_two_below(torch.linalg.vector_norm(scaled, ord=math.inf))
         norm = torch.linalg.vector_norm(scaled.mul_(scale))
         nonfinite[i] = ~torch.isfinite(norm)
-        out[i : i + 1] = scaled.div_(norm + scale * eps)
+        if unit:
+            floor[i] = norm / (norm + scale * eps).clamp_min(_FP32_TINY)  # 0 / 0: 0
+            out[i : i + 1] = scaled.div_(norm.clamp_min(_FP32_TINY))  # zero stays zero
+        else:
+            out[i : i + 1] = scaled.div_(norm + scale * eps)
         denom[i] = 1.0
     if aliased:
         _divide(out, X, denom, None)
     if suspects:
         out[nonfinite] = 0
-    return Normalized(out, nonfinite)
+        if unit:
+            floor[nonfinite] = 0.0
+    return Normalized(out, nonfinite), None if floor is None else floor.flatten()
 
 
 def normalize_without_sync(X: Tensor, eps: float, out: Tensor) -> Normalized:
@@ -134,16 +176,32 @@ def normalize_without_sync(X: Tensor, eps: float, out: Tensor) -> Normalized:
     prescale keeps the divisor an fp32 number; the mask is applied unconditionally.
     ``X[B, m, n]`` in any float dtype (wider than fp32: rounded to fp32 first, as
     :func:`normalize` does); ``out`` of its shape, in the result's dtype."""
+    normalized, _ = _normalize_without_sync(X, eps, out, unit=False)
+    return normalized
+
+
+def _normalize_without_sync(
+    X: Tensor, eps: float, out: Tensor, unit: bool
+) -> tuple[Normalized, Tensor | None]:
+    """:func:`normalize_without_sync`, or with ``unit`` :func:`normalize_unit`'s two
+    factors (four more ``[B, 1, 1]`` kernels than the plain divisor's two: the floor's
+    clamp and division, its mask, the divisor's clamp)."""
     if X.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         X = X.float()
     norm64 = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
     prescale = _power_of_two_below(norm64)
     denom = (norm64 * prescale).to(torch.float32)
     nonfinite = ~torch.isfinite(denom)
-    denom.add_(prescale * eps)
+    floor = None
+    if unit:
+        floor = denom / (denom + prescale * eps).clamp_min_(_FP32_TINY)  # 0 / 0 (eps = 0): 0
+        floor.masked_fill_(nonfinite, 0.0)
+        denom.clamp_min_(_FP32_TINY)  # a zero matrix stays zero
+    else:
+        denom.add_(prescale * eps)
     _divide(out, X, denom, prescale, fused=True)
     out.masked_fill_(nonfinite, 0.0)
-    return Normalized(out, nonfinite.flatten())
+    return Normalized(out, nonfinite.flatten()), None if floor is None else floor.flatten()
 
 
 def _divide(

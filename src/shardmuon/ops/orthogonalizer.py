@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from shardmuon.ops.engines import (
+    AUTO_CANDIDATES,
     ENGINES,
     NS_CHOICES,
     NS_DTYPES,
@@ -76,11 +77,14 @@ class EngineCost:
     device_type: str = "cpu"
     preconditioner: str | None = None
 
-    def _candidates(self, rows: int, cols: int) -> list[str]:
+    def _candidates(self, rows: int, cols: int) -> tuple[str, ...]:
         if self.impl != "auto":
-            return [self.impl]
-        # "auto" picks by shape and device alone: the cost is that of what it will pick.
-        return [auto_choice((rows, cols), self.device_type)]
+            return (self.impl,)
+        if rows == cols:
+            return ("folded",)  # the calibration and the rule never pick Gram for a square
+        # The plan is cut before "auto" is measured (and a loaded table may rule): whatever
+        # the timings pick, the bytes are those of the costliest candidate.
+        return AUTO_CANDIDATES
 
     def call_bytes(self, count: int, rows: int, cols: int) -> int:
         """Peak bytes one call on a bf16 ``[count, rows, cols]`` input allocates (the input

@@ -26,6 +26,20 @@ Such parameters are refused (so are meshes where the ranks holding pieces of the
 matrices are not one at each piece). The verdict depends on the mesh, the placements and
 the global shape alone, so every rank of the mesh reaches the same one.
 
+Where both readings are possible, a shard cannot say which one placed it:
+``distribute_tensor(..., src_data_rank=None)`` (each rank slices its own piece, no scatter)
+gives a rank the piece of its mesh coordinate, as DTensor's offsets (distributed
+checkpoints) say; the scatter and FSDP2 give it that of its group rank
+(``DeviceMesh.get_local_rank``). The plan follows the group ranks, so a tensor placed by
+coordinate reaches it with its pieces permuted. Newton–Schulz commutes with a permutation
+of rows and of columns, and each matrix is updated on its own, so the update is the same
+under both readings unless the permutation moves rows across a block of the partitions
+(reported: 12 rows on ``[3, 2, 1, 0]``, partitions ``[5, 7]``, every rank off by 0.024 in
+an update of 0.039), or ranks that the plan pairs (an exchange group; replicas under
+``split_replicas``) hold pieces of different matrices by coordinate.
+:func:`reading_problem` refuses exactly those, from the mesh, placements, shape,
+partitions and ``split_replicas`` alone.
+
 Also from the mesh alone: which ranks share what (:func:`holders`: the exchange groups and
 replica groups, which on a permuted mesh are not always the mesh's own), and the most
 matrices any rank holds of a parameter (:func:`most_matrices`), so that every rank can plan
@@ -40,12 +54,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from shardmuon.planning.pieces import extent_of, shard_ranges
+from shardmuon.planning.pieces import Range, extent_of, shard_ranges
 
-__all__ = ["MeshOrder", "holders", "mesh_order", "most_matrices", "order_problem"]
+__all__ = [
+    "MeshOrder",
+    "holders",
+    "mesh_order",
+    "most_matrices",
+    "order_problem",
+    "reading_problem",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -276,3 +297,167 @@ def _most(order: MeshOrder, shape: tuple, placements: tuple, batch_dims: tuple) 
             count *= extent_of(shard_ranges(shape[t], [(n, at[d], sf) for d, n, sf in splits[t]]))
         most = max(most, count)
     return most
+
+
+def reading_problem(
+    order: MeshOrder,
+    shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+    matrix_dims: tuple[int, ...],
+    partitions: tuple[int, ...] | None = None,
+    split_replicas: bool = False,
+) -> str | None:
+    """Why this parameter's update would depend on whether its shards were placed by group
+    rank or by mesh coordinate (see the module docstring), or ``None``. ``matrix_dims``: the
+    tensor dims of its matrices, rows first (partitions cut the rows). Call it for layouts
+    :func:`order_problem` accepts. Always ``None`` on a mesh that ascends along every dim."""
+    if not order.permuted:
+        return None
+    sizes = _partition_sizes(partitions)
+    return _reading(
+        order, tuple(shape), tuple(placements), tuple(matrix_dims), sizes, split_replicas
+    )
+
+
+def _partition_sizes(partitions) -> tuple[int, ...] | None:
+    return tuple(partitions) if partitions is not None and len(partitions) > 1 else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _reading(
+    order: MeshOrder,
+    shape: tuple[int, ...],
+    placements: tuple,
+    matrix_dims: tuple[int, ...],
+    partitions: tuple[int, ...] | None,
+    split_replicas: bool,
+) -> str | None:
+    sizes = tuple(order.grid.shape)
+    splits: dict[int, list[tuple[int, int, int]]] = {}  # tensor dim -> (mesh dim, chunks, sf)
+    replicate, batch = [], []
+    for d, p in enumerate(placements):
+        if sizes[d] == 1:
+            continue
+        if isinstance(p, Replicate):
+            replicate.append(d)
+        elif isinstance(p, (Shard, _StridedShard)):
+            t = p.dim % len(shape)
+            sf = int(p.split_factor) if isinstance(p, _StridedShard) else 1
+            splits.setdefault(t, []).append((d, sizes[d], sf))
+            if t not in matrix_dims:
+                batch.append(d)
+    # Replicas hand each other results only under split_replicas (one replicate dim).
+    broadcast = split_replicas and len(replicate) == 1
+    if not broadcast and not any(t in matrix_dims for t in splits):
+        return None  # whole matrices, each updated where it lies: any reading is right
+    # The ranks whose pieces the plan combines: an exchange group, or with broadcasts all
+    # replicas of it (what groups.exchange_group and groups.replica_group take).
+    parts = holders(order, () if broadcast else replicate, batch)
+    seen = set()
+    for members in sorted(parts):
+        for t, dim_splits in sorted(splits.items()):
+            readings = frozenset(_readings_of(order, r, dim_splits) for r in members)
+            if (t, readings) in seen:
+                continue
+            seen.add((t, readings))
+            blocks = partitions if t == matrix_dims[0] else None
+            problem = _dim_reading(order, members, t, shape[t], dim_splits, blocks)
+            if problem is not None:
+                return problem
+    return None
+
+
+def _readings_of(order: MeshOrder, rank: int, dim_splits: list) -> tuple[tuple, tuple]:
+    """``rank``'s group coordinates and mesh coordinates on the mesh dims of ``dim_splits``."""
+    g, x = order.group_coordinate_of(rank), order.coordinate_of(rank)
+    return tuple(g[d] for d, _, _ in dim_splits), tuple(x[d] for d, _, _ in dim_splits)
+
+
+def _dim_reading(
+    order: MeshOrder,
+    members: tuple[int, ...],
+    dim: int,
+    extent: int,
+    dim_splits: list[tuple[int, int, int]],
+    partitions: tuple[int, ...] | None,
+) -> str | None:
+    """Is reading tensor dim ``dim`` by mesh coordinate, across ``members``, one permutation
+    of what the plan reads by group rank (the same index wherever the plan reads the same
+    one), and does it map every partition block onto a block?"""
+    what = "rows" if partitions is not None else f"indices of dim {dim}"
+    # to_true[i]: the index the plan's index i holds by coordinate; by_rank[i]: who says so.
+    to_true = torch.full((extent,), -1, dtype=torch.int64)
+    to_plan = torch.full((extent,), -1, dtype=torch.int64)
+    by_rank = torch.full((extent,), -1, dtype=torch.int64)
+    held: dict[int, tuple[tuple[Range, ...], tuple[Range, ...]]] = {}
+    for rank in members:
+        g, x = _readings_of(order, rank, dim_splits)
+        plan = shard_ranges(extent, [(n, c, sf) for (_, n, sf), c in zip(dim_splits, g)])
+        true = shard_ranges(extent, [(n, c, sf) for (_, n, sf), c in zip(dim_splits, x)])
+        held[rank] = plan, true
+        p, q = _indices(plan), _indices(true)
+        if p.numel() != q.numel():
+            return (
+                f"rank {rank} holds {p.numel()} {what} by its group ranks but {q.numel()} by "
+                "its mesh coordinates"
+            )
+        clash = ((to_true[p] >= 0) & (to_true[p] != q)) | ((to_plan[q] >= 0) & (to_plan[q] != p))
+        if bool(clash.any()):
+            i = int(clash.nonzero()[0])
+            other = int(by_rank[p[i]]) if int(to_true[p[i]]) >= 0 else int(by_rank[to_plan[q[i]]])
+            return (
+                f"the ranks {other} and {rank}, which the plan gives pieces of the same "
+                f"matrices (an exchange group, or replicas under split_replicas), hold {what}: "
+                f"{_spans(held[other][0])} and {_spans(plan)} by their group ranks but "
+                f"{_spans(held[other][1])} and {_spans(true)} by their mesh coordinates: "
+                "not one permutation of the same tensor"
+            )
+        to_true[p], to_plan[q], by_rank[p] = q, p, rank
+    if partitions is None:
+        return None
+    block_of = torch.repeat_interleave(torch.arange(len(partitions)), torch.tensor(partitions))
+    start = 0
+    for size in partitions:
+        stop = start + size
+        moved = to_true[start:stop]
+        if bool((moved < 0).any()):  # rows no member holds: not a group of one matrix
+            return f"no rank holds some of its {what} {start}-{stop - 1}"
+        blocks = block_of[moved]
+        if bool((blocks != blocks[0]).any()) or partitions[int(blocks[0])] != size:
+            rank = next(r for r in members if held[r][0] != held[r][1])
+            return (
+                f"rank {rank} holds rows {_spans(held[rank][0])} by its group ranks "
+                "(distribute_tensor's scatter, full_tensor(), FSDP2) but rows "
+                f"{_spans(held[rank][1])} by its mesh coordinates "
+                "(distribute_tensor(src_data_rank=None), DTensor's offsets), and the rows "
+                f"{start}-{stop - 1}, one block of its partitions {list(partitions)} "
+                "(matrix_partitions, or dion's split_sizes/num_heads), by the first reading "
+                f"are rows {_spans(_ranges(moved.tolist()))} by the second, not one block: "
+                "the update depends on which reading placed the shards, and no shard can "
+                "tell. Partitions whose blocks the two readings map onto blocks (equal "
+                "blocks of whole shards, for instance) are accepted"
+            )
+        start = stop
+    return None
+
+
+def _indices(ranges: tuple[Range, ...]) -> torch.Tensor:
+    if not ranges:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.cat([torch.arange(a, b) for a, b in ranges])
+
+
+def _ranges(indices: list[int]) -> tuple[Range, ...]:
+    """Sorted ``indices`` as ``(start, stop)`` ranges."""
+    out: list[Range] = []
+    for i in sorted(indices):
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return tuple(out)
+
+
+def _spans(ranges: tuple[Range, ...]) -> str:
+    """Ranges as inclusive spans: ``0-2, 6-8``."""
+    return ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in ranges) or "none"

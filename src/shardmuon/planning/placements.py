@@ -39,6 +39,7 @@ from shardmuon.planning.mesh_order import (
     mesh_order,
     most_matrices,
     order_problem,
+    reading_problem,
     unravel,
 )
 from shardmuon.planning.pieces import Piece, shard_ranges
@@ -205,13 +206,23 @@ def _split_factor(name: str, param: DTensor, placement: Placement) -> int:
     )
 
 
-def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
+def matrix_layout(
+    name: str,
+    param: Tensor,
+    flatten: bool,
+    *,
+    partitions: tuple[int, ...] | None = None,
+    split_replicas: bool = False,
+) -> MatrixLayout:
     """Read one Muon parameter's layout from its placements (plain tensors are local).
 
     Raises ``NotImplementedError`` for shard kinds other than ``Shard``/``_StridedShard`` on
     a matrix dim (or, with ``flatten``, a shard on a dim other than 0), ``ValueError`` for
-    ``Partial`` placements, and ``RuntimeError`` when the local tensor is not the piece the
-    placements describe.
+    ``Partial`` placements and for layouts a permuted mesh makes contradictory or ambiguous
+    (``partitions``: the checked row blocks; ``split_replicas``: replicas hand each other
+    results; see :mod:`shardmuon.planning.mesh_order`), and ``RuntimeError`` when the local
+    tensor is not the piece the placements describe. Refusals come before any process group
+    is made.
     """
     if isinstance(param, DTensor) and param.device_mesh.get_coordinate() is None:
         mesh = param.device_mesh
@@ -265,8 +276,18 @@ def matrix_layout(name: str, param: Tensor, flatten: bool) -> MatrixLayout:
     mesh_dims = tuple(m for m, _, _ in shards)
     order = mesh_order(mesh)
     problem = order_problem(order, tuple(param.shape), tuple(param.placements), mesh_dims)
+    if problem is None:
+        problem = reading_problem(
+            order,
+            tuple(param.shape),
+            tuple(param.placements),
+            matrix_dims,
+            partitions,
+            split_replicas,
+        )
     if problem is not None:
-        # Decided from the mesh, placements and shape alone: every rank raises alike.
+        # Decided from the mesh, placements, shape and partitions alone: every rank of the
+        # mesh raises alike, before any collective.
         raise ValueError(
             f"parameter {_describe(name, param)} on a device mesh of ranks "
             f"{mesh.mesh.tolist()}: {problem}. Build the mesh with the ranks of every dim "

@@ -142,7 +142,6 @@ def build_plan(
     for index, (g, p) in enumerate(muon_params):
         group = param_groups[g]
         name = f"group {g} param {positions[index]}"
-        layout = matrix_layout(name, p, flatten=group["flatten"])
         sizes = partitions_by_id.get(id(p))
         from_group = dion_group_partitions(f"param group {g}", group, p)
         if from_group is not None:
@@ -158,7 +157,12 @@ def build_plan(
                     f"matrix_partitions[{name}]: partitions need flatten=False (they split "
                     "dim -2 of each matrix)"
                 )
-            sizes = check_partitions(name, sizes, layout.rows)
+            sizes = check_partitions(name, sizes, p.shape[-2])
+        # After the partitions: on a permuted mesh, whether a layout can be stepped can
+        # depend on them (planning/mesh_order.py).
+        layout = matrix_layout(
+            name, p, flatten=group["flatten"], partitions=sizes, split_replicas=split_replicas
+        )
         layouts.append(layout)
         partitions.append(sizes)
         scales.append(

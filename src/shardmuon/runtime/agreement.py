@@ -25,6 +25,14 @@ also exchanges an expert stack its peer replica's group does not hold).
 When the hashes differ (and only then), the members gather each other's descriptions — all
 of them saw the same verdict, so all join — and the error names the first item and field
 that differ, with each rank's value (:func:`first_difference`).
+
+That full check runs on the first step and after a plan change. Every later step starts
+with :func:`check_live_agreement`: a digest of the live settings (the optimizer's agreed
+settings and every group's hyperparameters, read as they are, before anything validates
+them) reduced over the groups of the last plan the ranks agreed on. Every rank issues it at
+every step whatever it changed, so a setting edited on some ranks only (a scheduler stepped
+once more, a typo, a planned setting that rebuilt one rank's plan) raises the same error on
+every rank: never a divergence, an abort, or a collective only one rank started.
 """
 
 from __future__ import annotations
@@ -42,14 +50,22 @@ from shardmuon.planning.groups import ShardGroup
 __all__ = [
     "agreement_groups",
     "check_agreement",
+    "check_live_agreement",
     "check_plan_agreement",
     "collective_order",
     "first_difference",
+    "live_settings",
 ]
 
 # Keys of a group that change the update of its parameters.
 UPDATE_KEYS = ("lr", "weight_decay", "mu", "nesterov", "epsilon", "adjust_lr", "flatten")
 ADAMW_KEYS = ("lr", "beta1", "beta2", "weight_decay", "epsilon")
+# Keys of a group compared at every step: the update's and AdamW's, what the plan reads
+# (algorithm, partitions), the step count (bias correction) and torch's momentum alias.
+LIVE_GROUP_KEYS = (
+    "algorithm", "lr", "mu", "beta1", "beta2", "weight_decay", "epsilon", "nesterov",
+    "adjust_lr", "flatten", "step", "split_sizes", "num_heads", "momentum",
+)  # fmt: skip
 
 
 def agreement_groups(batches: Iterable[MuonBatch]) -> list[ShardGroup]:
@@ -254,6 +270,66 @@ def collective_order(
         if batches[i].replica is not None and broadcasts_here and phase == "finish":
             order.append(("broadcast", position[i]))
     return order
+
+
+def _plain(value: object) -> object:
+    """A live setting as a comparable value, whatever it holds (it is not validated yet): a
+    1-element tensor is its number, a larger one its shape."""
+    if isinstance(value, Tensor):
+        return value.item() if value.numel() == 1 else ("tensor", tuple(value.shape))
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def live_settings(settings: Mapping[str, object], param_groups: Sequence[dict]) -> list[Entry]:
+    """What every rank must hold alike at every step, as labelled entries: the number of
+    groups, ``settings`` (the optimizer's agreed settings, one spelling per value) and each
+    group's :data:`LIVE_GROUP_KEYS` with its parameters' count and (global) shapes."""
+    entries: list[Entry] = [
+        ("the param groups", (("count", len(param_groups)),)),
+        _settings_entry({name: _plain(value) for name, value in settings.items()}),
+    ]
+    for index, group in enumerate(param_groups):
+        params = group.get("params", ())
+        shapes = tuple(tuple(p.shape) for p in params)
+        fields = [(key, _plain(group.get(key, "(not set)"))) for key in LIVE_GROUP_KEYS]
+        fields.append(("parameters (count, shapes)", (len(shapes), hash(shapes))))
+        entries.append((f"param group {index}", tuple(fields)))
+    return entries
+
+
+def check_live_agreement(
+    groups: Sequence[ShardGroup], entries: Sequence[Entry], device: torch.device
+) -> None:
+    """Raise on every rank of a group whose ranks hold different :func:`live_settings`.
+
+    One 2-element all-reduce (MAX of ``[h, -h]``) per group, then one host sync for all of
+    them; a second collective (naming what differs) only where the digests differ.
+    """
+    if not groups:
+        return
+    digest = _hash63(entries)
+    reduced = []
+    for group in groups:
+        local = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group.process_group)
+        reduced.append(local)
+    verdicts = torch.stack(reduced).tolist()
+    errors = []
+    for group, (high, low) in zip(groups, verdicts):
+        if high == -low:
+            continue
+        gathered: list = [None] * group.size
+        dist.all_gather_object(gathered, list(entries), group=group.process_group)
+        errors.append(
+            f"the ranks of process group {list(group.ranks)} disagree on the Muon step: "
+            f"{first_difference(gathered, group.ranks)}. A setting changed on some ranks "
+            "only since the last step (an lr scheduler stepped a different number of times, "
+            "an edit made on one rank): change settings alike on every rank"
+        )
+    if errors:
+        raise ValueError(errors[0])
 
 
 def _hash63(value: object) -> int:

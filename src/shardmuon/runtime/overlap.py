@@ -42,9 +42,11 @@ __all__ = [
     "ForwardOverlap",
     "OverlapError",
     "OverlappedStep",
+    "ReadMap",
     "chunks_of_params",
     "forward_order",
-    "parameters_read_at",
+    "snapshot_grads",
+    "snapshot_group",
     "step_groups_of",
     "step_process_groups",
     "synchronize_all",
@@ -249,6 +251,33 @@ class OverlappedStep:
         return self._error
 
 
+def snapshot_group(group: dict) -> dict:
+    """A param group as a step begins: its own ``params`` list, tensor values copied (a
+    scheduler's ``fill_()`` of a tensor lr after ``step()`` returns is not seen)."""
+    out = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items()}
+    out["params"] = list(group["params"])
+    return out
+
+
+def snapshot_grads(params: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """``id(p)`` -> a copy of ``p``'s local grad (parameters without one are left out).
+
+    One fused ``_foreach_copy_`` on the caller's stream: an in-place write to the grads
+    after ``step()`` returns (``zero_()``, the next backward accumulating into a
+    persistent buffer) is ordered after the copy. Costs one grad-sized buffer, held until
+    the step is done."""
+    ids, sources, seen = [], [], set()
+    for p in params:
+        if p.grad is not None and id(p) not in seen:
+            seen.add(id(p))
+            ids.append(id(p))
+            sources.append(local_tensor(p.grad))
+    copies = [torch.empty_like(t) for t in sources]
+    if copies:
+        torch._foreach_copy_(copies, sources)
+    return dict(zip(ids, copies))
+
+
 def chunks_of_params(plan, param_groups: Sequence[dict]) -> dict[int, set[ChunkKey]]:
     """``id(parameter)`` -> the chunks whose step writes it: the batches holding its matrices
     (several for a partitioned or widely stacked parameter), or its AdamW group's chunk."""
@@ -270,36 +299,163 @@ def _fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def parameters_read_at(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[int]]]:
-    """Each module whose forward reads parameters first, and the ``id`` of those parameters,
-    in ``model.modules()`` order.
+def _fsdp_prefetched(unit: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP2 modules ``unit`` all-gathers right after its own all-gather
+    (``set_modules_to_forward_prefetch``); read at each forward, as FSDP2 does."""
+    try:
+        states = unit._get_fsdp_state()._states_to_forward_prefetch
+    except AttributeError:  # pragma: no cover - an FSDP2 without explicit prefetch
+        return []
+    return [m for state in states for m in getattr(state, "_modules", ())]
 
-    An FSDP2 module all-gathers every parameter of its unit (its subtree less nested FSDP2
-    modules' subtrees) in its own pre-forward, so it waits for all of them; any other
-    module with parameters of its own (``recurse=False``) outside such a unit waits for
-    those.
+
+class ReadMap:
+    """Which parameters each module's forward may read, as far as ``model``'s forwards show.
+
+    - An FSDP2 module all-gathers every parameter of its unit (its subtree less nested FSDP2
+      modules' subtrees) in its own pre-forward, and then those of the modules it
+      prefetches (``set_modules_to_forward_prefetch``): it reads its own and theirs.
+    - Any other module reads its own parameters (``recurse=False``) and may read a child's
+      without running the child's forward (``nn.MultiheadAttention`` reads
+      ``out_proj.weight``; a parent applies a child's weight functionally, an unused
+      expert): it also reads those of every descendant not yet seen to run a forward of
+      its own. Every module of ``model`` outside FSDP2 units whose subtree holds
+      parameters is hooked, so the first forward waits for everything below the first
+      module that runs, and each later one only for what no module of its own covers.
     """
-    units = _fsdp_units(model)
-    unit_ids = {id(unit) for unit in units}
-    inside_unit = {id(p) for unit in units for p in unit.parameters()}
-    out = []
-    for unit in units:
-        nested = {
-            id(p)
-            for m in unit.modules()
-            if m is not unit and id(m) in unit_ids
-            for p in m.parameters()
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        units = _fsdp_units(model)
+        unit_ids = {id(unit) for unit in units}
+        in_units = {id(m) for unit in units for m in unit.modules()}
+        self.own: dict[int, list[int]] = {}
+        for unit in units:
+            nested = {
+                id(p)
+                for m in unit.modules()
+                if m is not unit and id(m) in unit_ids
+                for p in m.parameters()
+            }
+            self.own[id(unit)] = [id(p) for p in unit.parameters() if id(p) not in nested]
+        covered: dict[int, bool] = {}  # id(module) -> its subtree holds parameters
+
+        def holds(module: torch.nn.Module) -> bool:
+            if id(module) not in covered:
+                own = [] if id(module) in in_units else list(module.parameters(recurse=False))
+                if id(module) not in unit_ids:
+                    self.own[id(module)] = [id(p) for p in own]
+                children = [holds(c) for c in module.children()]
+                covered[id(module)] = bool(own) or any(children) or id(module) in unit_ids
+            return covered[id(module)]
+
+        holds(model)
+        #: The modules to hook, in ``model.modules()`` order: every FSDP2 module, and every
+        #: other one outside FSDP2 modules whose subtree holds parameters.
+        self.modules = [
+            m
+            for m in model.modules()
+            if id(m) in unit_ids or (id(m) not in in_units and covered.get(id(m)))
+        ]
+        self.units = unit_ids
+        hooked = {id(m) for m in self.modules}
+        self.children = {
+            id(m): [c for c in m.children() if id(c) in hooked and id(c) not in unit_ids]
+            for m in self.modules
         }
-        own = [id(p) for p in unit.parameters() if id(p) not in nested]
-        out.append((unit, own))
-    for module in model.modules():
-        if id(module) in unit_ids:
-            continue
-        own = [id(p) for p in module.parameters(recurse=False) if id(p) not in inside_unit]
-        if own:
-            out.append((module, own))
-    order = {id(m): n for n, m in enumerate(model.modules())}
-    return sorted(out, key=lambda item: order[id(item[0])])
+        self.ran: set[int] = set(unit_ids)  # an FSDP2 module covers its own unit
+        self._reads: dict[int, list[int]] = {}
+
+    def saw_run(self, module: torch.nn.Module) -> None:
+        """``module``'s forward runs: from now on it covers its own parameters."""
+        if id(module) not in self.ran:
+            self.ran.add(id(module))
+            self._reads.clear()
+
+    def reads(self, module: torch.nn.Module) -> list[int]:
+        """The ``id`` of every parameter ``module``'s forward may read (see the class)."""
+        if id(module) in self.units:
+            prefetched = _fsdp_prefetched(module)
+            return [
+                *self.own[id(module)],
+                *(i for m in prefetched for i in self.own.get(id(m), ())),
+            ]
+        if id(module) not in self._reads:
+            out, stack = list(self.own[id(module)]), list(self.children[id(module)])
+            while stack:
+                child = stack.pop()
+                if id(child) not in self.ran:
+                    out += self.own[id(child)]
+                    stack += self.children[id(child)]
+            self._reads[id(module)] = out
+        return self._reads[id(module)]
+
+
+class _Hook:
+    """A hook of an overlapped optimizer on a model. A copy of the model (``deepcopy``,
+    ``AveragedModel``, ``torch.save``) gets an inert one: its parameters are not the
+    optimizer's."""
+
+    def __init__(self, fn: Callable) -> None:
+        self._fn = fn
+
+    def __call__(self, *args):
+        return self._fn(*args)
+
+    def __deepcopy__(self, memo) -> _InertHook:
+        return _InertHook()
+
+    def __reduce__(self):
+        return (_InertHook, ())
+
+
+class _InertHook:
+    """What a copied :class:`_Hook` becomes: does nothing."""
+
+    def __call__(self, *args) -> None:
+        return None
+
+
+class _CopyGuard:
+    """The first entry of a hooked module's ``__dict__``: ``deepcopy`` and pickling visit it
+    before any parameter, and it waits for the step in flight, so a copy holds the updated
+    weights; the copy gets ``None`` in its place."""
+
+    def __init__(self, overlap: ForwardOverlap) -> None:
+        self._overlap = weakref.ref(overlap)
+
+    def _wait(self) -> None:
+        overlap = self._overlap()
+        if overlap is not None:
+            overlap.synchronize()
+
+    def __deepcopy__(self, memo) -> None:
+        self._wait()
+        return None
+
+    def __reduce__(self):
+        self._wait()
+        return (type(None), ())
+
+
+class _GuardHandle:
+    """Removes a :class:`_CopyGuard` (returned among the hook handles)."""
+
+    def __init__(self, module: torch.nn.Module, name: str) -> None:
+        self._module, self._name = weakref.ref(module), name
+
+    def remove(self) -> None:
+        module = self._module()
+        if module is not None:
+            module.__dict__.pop(self._name, None)
+
+
+def _guard_first(module: torch.nn.Module, name: str, guard: _CopyGuard) -> _GuardHandle:
+    """Put ``guard`` first in ``module.__dict__`` (the order copies and pickles visit)."""
+    entries = [(k, v) for k, v in module.__dict__.items() if k != name]
+    module.__dict__.clear()
+    module.__dict__[name] = guard
+    module.__dict__.update(entries)
+    return _GuardHandle(module, name)
 
 
 class ForwardOverlap:
@@ -326,11 +482,12 @@ class ForwardOverlap:
                 stacklevel=3,
             )
         plan = ctx.plan
-        # The groups' settings as the step began: an lr scheduler (or the user) may change
-        # them as soon as step() returns, and AdamW reads them from the groups.
-        ctx.param_groups = [dict(group) for group in ctx.param_groups]
+        # The step owns what it reads: the groups' settings (an lr scheduler may change them,
+        # in place too, as soon as step() returns: tensor values are copied) and the grads
+        # by value (a loop may zero them in place: model.zero_grad(set_to_none=False)).
+        ctx.param_groups = [snapshot_group(group) for group in ctx.param_groups]
         ctx.step_groups = step_process_groups(step_groups_of(plan.batches))
-        ctx.grads = {id(p): p.grad for g in ctx.param_groups for p in g["params"]}
+        ctx.grads = snapshot_grads(p for g in ctx.param_groups for p in g["params"])
         if self._chunks[0] != id(plan):
             self._chunks = (id(plan), chunks_of_params(plan, ctx.param_groups))
         stats = ctx.stats
@@ -340,8 +497,7 @@ class ForwardOverlap:
 
         keys = [("batch", i) for i in range(len(plan.batches))]
         keys += [("adamw", k) for k in range(len(plan.adamw))]
-        grads = [local_tensor(g) for g in ctx.grads.values() if g is not None]
-        self.pending = OverlappedStep(work, keys, ctx.device, grads)
+        self.pending = OverlappedStep(work, keys, ctx.device, list(ctx.grads.values()))
         self._stats = stats
 
     def synchronize(self) -> None:
@@ -363,13 +519,19 @@ class ForwardOverlap:
         if pending is not None:
             pending.discard()
 
-    def wait_for_params(self, ids: Sequence[int], *_hook_args) -> None:
-        """Wait for the chunks holding the parameters ``ids`` (a forward pre-hook)."""
+    def wait_for_params(self, ids: Iterable[int], *_hook_args) -> None:
+        """Wait for the chunks holding the parameters ``ids``."""
         pending = self.pending
         if pending is not None:
             chunks = self._chunks[1]
             with self._timed():
                 pending.wait_for(key for i in ids for key in chunks.get(i, ()))
+
+    def before_forward(self, reads: ReadMap, module: torch.nn.Module, *_hook_args) -> None:
+        """A forward pre-hook: wait for what ``module``'s forward may read (:class:`ReadMap`)."""
+        reads.saw_run(module)
+        if self.pending is not None:
+            self.wait_for_params(reads.reads(module))
 
     @contextlib.contextmanager
     def _timed(self):
@@ -393,17 +555,22 @@ class ForwardOverlap:
                 pending.join()
 
     def hook(self, model: torch.nn.Module) -> list:
-        """A pre-forward hook (first in line) on each module of :func:`parameters_read_at`;
-        on ``model`` and each of those modules, ``state_dict`` and ``load_state_dict``
+        """A pre-forward hook (first in line) on each module :class:`ReadMap` lists; on
+        ``model`` and each of those modules, ``state_dict`` and ``load_state_dict``
         pre-hooks that wait for the whole step (they read or write every parameter: a
-        trainer's weight broadcast, checkpoint or restore right after ``step()``)."""
-        handles = []
+        trainer's weight broadcast, checkpoint or restore right after ``step()``), and a
+        guard that makes a copy of the module wait for it (:class:`_CopyGuard`)."""
+        handles: list = []
         self._hooked = True
-        read_at = parameters_read_at(model)
-        for module, ids in read_at:
-            wait = functools.partial(self.wait_for_params, ids)
+        reads = ReadMap(model)
+        guard, name = _CopyGuard(self), f"_shardmuon_overlap_{id(self)}"
+        for module in reads.modules:
+            wait = _Hook(functools.partial(self.before_forward, reads, module))
             handles.append(module.register_forward_pre_hook(wait, prepend=True))
-        for module in {id(m): m for m in (model, *(m for m, _ in read_at))}.values():
-            handles.append(module.register_state_dict_pre_hook(self.before_state_dict))
-            handles.append(module.register_load_state_dict_pre_hook(self.before_load_state_dict))
+        for module in {id(m): m for m in (model, *reads.modules)}.values():
+            handles.append(module.register_state_dict_pre_hook(_Hook(self.before_state_dict)))
+            handles.append(
+                module.register_load_state_dict_pre_hook(_Hook(self.before_load_state_dict))
+            )
+            handles.append(_guard_first(module, name, guard))
         return handles

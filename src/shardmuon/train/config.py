@@ -318,6 +318,9 @@ class TrainResult:
     # seconds the loop then waited for that step (the next forward's hooks, synchronize).
     optimizer_seconds: float = math.nan
     overlap_wait_seconds: float = math.nan
+    # A run told to stop when it diverges (see shardmuon.train.loop.STOP_ON_DIVERGENCE) and
+    # that did: {"step", "reason"}; None otherwise.
+    diverged: dict[str, Any] | None = None
 
     def to_json(self, config: TrainConfig) -> dict[str, Any]:
         """JSON-ready dict (the ``--json`` format)."""

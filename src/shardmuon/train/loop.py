@@ -11,6 +11,7 @@ loss (task ``lm``) is measured the same way, on a fixed batch, every ``eval_ever
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import time
@@ -166,6 +167,13 @@ def ignore_logits_view_warning(model: nn.Module) -> None:
 
 # ---------------------------------------------------------------------------- one rank
 
+# A config whose extra holds this key (true) stops at the first sign that it diverged: a
+# training or held-out loss that is not finite, or an error raised while this rank's loss
+# or weights are no longer finite (QKClip refuses an infinite logit, for one). Its result
+# says where and why (TrainResult.diverged), so that a sweep goes on to its next run.
+# Without it such a run trains on (non-finite losses) or raises.
+STOP_ON_DIVERGENCE = "stop_on_divergence"
+
 
 def _trainer_state(
     config: TrainConfig, step: int, world: int, losses: dict[int, float], evals: list[dict]
@@ -229,13 +237,40 @@ def _tokens_seen(config: TrainConfig, step: int) -> int:
     return step * config.batch_size * (config.seq_len if config.task == "lm" else 0)
 
 
+def _blown_up(model: nn.Module, loss_sum: torch.Tensor | None) -> bool:
+    """Whether this rank's loss of the step or any of its weights is no longer finite."""
+    if loss_sum is not None and not bool(torch.isfinite(loss_sum.detach()).all()):
+        return True
+    with torch.no_grad():
+        for param in model.parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if not bool(torch.isfinite(local).all()):
+                return True
+    return False
+
+
+def _non_finite_loss(step: int, loss: float, evals: list[dict]) -> dict[str, Any] | None:
+    """``{"step", "reason"}`` when the training loss of ``step`` or its held-out loss is
+    not finite (the same on every rank: both are reduced over the ranks)."""
+    if not math.isfinite(loss):
+        return {"step": step, "reason": f"training loss {loss} at step {step}"}
+    if evals and evals[-1]["step"] == step and not math.isfinite(evals[-1]["loss"]):
+        return {"step": step, "reason": f"held-out loss {evals[-1]['loss']} at step {step}"}
+    return None
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
 def train_on_rank(
     config: TrainConfig, rank: int, world: int, resume_from: str | None = None
 ) -> TrainResult:
     """Run the whole training on this rank (process group already initialised if world > 1).
 
     ``resume_from``: the checkpoint directory or dion-format file to start from, as
-    :func:`prepare_resume` chose it (every rank loads the same one).
+    :func:`prepare_resume` chose it (every rank loads the same one). A config with
+    :data:`STOP_ON_DIVERGENCE` in its ``extra`` stops where it diverges.
     """
     device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")
     task = build_task(config)
@@ -272,37 +307,52 @@ def train_on_rank(
     waits: list[object] = []
     saved: list[str] = []
     progress = _progress(config, rank, start)
+    stop_on_divergence = bool(config.extra.get(STOP_ON_DIVERGENCE))
+    diverged: dict[str, Any] | None = None
     began = time.perf_counter()
     model.train()
     for step in range(start + 1, config.steps + 1):
-        step_began = time.perf_counter()
-        batch = task.batch(step, config.batch_size)
-        global_tokens = num_target_tokens(batch["labels"][:, 1:])
-        part = rank_slice(batch, layout.data_rank, layout.data_world)
-        local = {k: v.to(device) for k, v in part.items()}
-        loss_sum = sft_loss_sum(model, local)
-        # FSDP averages gradients over the data-parallel ranks; scaling by
-        # data_world/global_tokens turns that average into the gradient of the global
-        # per-token mean, whatever the split.
-        (loss_sum * (layout.data_world / global_tokens)).backward()
-        set_learning_rates(optimizer, config, step)
-        optimizer_began = time.perf_counter()
-        optimizer.step()
-        optimizer_times.append(time.perf_counter() - optimizer_began)
-        waits.append(getattr(optimizer, "last_step_stats", None))
-        optimizer.zero_grad(set_to_none=True)
-        if clip is not None:
-            stats = clip.apply()
-            max_logits[step] = stats.max_logit
-            max_logits_after[step] = stats.max_logit_after
-            clipped_heads[step] = stats.clipped_heads
-        total = loss_sum.detach().to(torch.float64)
-        if world > 1:
-            dist.all_reduce(total, group=layout.data_group)
-        losses[step] = float(total) / global_tokens
-        step_times.append(time.perf_counter() - step_began)
-        if held_out is not None and (step % config.eval_every == 0 or step == config.steps):
-            evaluate(step)
+        loss_sum = None
+        try:
+            step_began = time.perf_counter()
+            batch = task.batch(step, config.batch_size)
+            global_tokens = num_target_tokens(batch["labels"][:, 1:])
+            part = rank_slice(batch, layout.data_rank, layout.data_world)
+            local = {k: v.to(device) for k, v in part.items()}
+            loss_sum = sft_loss_sum(model, local)
+            # FSDP averages gradients over the data-parallel ranks; scaling by
+            # data_world/global_tokens turns that average into the gradient of the global
+            # per-token mean, whatever the split.
+            (loss_sum * (layout.data_world / global_tokens)).backward()
+            set_learning_rates(optimizer, config, step)
+            if len(waits) < len(optimizer_times):  # the previous step's (an overlapped one:
+                # read once the forward has waited for it; reading waits for the rest)
+                waits.append(getattr(optimizer, "last_step_stats", None))
+            optimizer_began = time.perf_counter()
+            optimizer.step()
+            optimizer_times.append(time.perf_counter() - optimizer_began)
+            optimizer.zero_grad(set_to_none=True)
+            if clip is not None:
+                stats = clip.apply()
+                max_logits[step] = stats.max_logit
+                max_logits_after[step] = stats.max_logit_after
+                clipped_heads[step] = stats.clipped_heads
+            total = loss_sum.detach().to(torch.float64)
+            if world > 1:
+                dist.all_reduce(total, group=layout.data_group)
+            losses[step] = float(total) / global_tokens
+            step_times.append(time.perf_counter() - step_began)
+            if held_out is not None and (step % config.eval_every == 0 or step == config.steps):
+                evaluate(step)
+        except Exception as err:
+            if not (stop_on_divergence and _blown_up(model, loss_sum)):
+                raise
+            diverged = {"step": step, "reason": f"{type(err).__name__}: {err}"}
+            break
+        if stop_on_divergence:
+            diverged = _non_finite_loss(step, losses[step], evals)
+            if diverged is not None:
+                break
         if progress is not None:
             progress.advance(losses[step], evals[-1]["loss"] if evals else None)
         if config.checkpoint_every and step % config.checkpoint_every == 0:
@@ -313,6 +363,8 @@ def train_on_rank(
             saved.append(str(path))
     if hasattr(optimizer, "synchronize"):
         optimizer.synchronize()
+    if len(waits) < len(optimizer_times):  # the last step's
+        waits.append(getattr(optimizer, "last_step_stats", None))
     seconds = time.perf_counter() - began
     if progress is not None:
         progress.close()
@@ -332,9 +384,10 @@ def train_on_rank(
         max_logits_after,
         clipped_heads,
         evals,
-        statistics.median(step_times),
-        statistics.median(optimizer_times),
-        statistics.median(getattr(s, "overlap_wait_seconds", 0.0) for s in waits),
+        _median(step_times),
+        _median(optimizer_times),
+        _median([getattr(s, "overlap_wait_seconds", 0.0) for s in waits]),
+        diverged,
     )
 
 

@@ -1,0 +1,323 @@
+"""What ``Muon(overlap="forward")`` promises a caller between ``step()`` and the wait: the step
+owns what it reads (grads, every hyperparameter), every read of a parameter by a forward
+waits for it (a parent's forward reading a child's weight included), step post-hooks and
+``last_step_stats`` see the finished step, and the model can be copied and saved.
+
+Each case starts the worker late on purpose (``slow_worker``), so that a read the overlap
+does not cover meets the old weights (or a write meets the step's read) every time; the
+reference is the same loop run sequentially, compared bitwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import threading
+import time
+
+import pytest
+import torch
+from checks import assert_same_optimizers
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+import shardmuon.optimizer as optimizer_module
+import shardmuon.runtime.overlap as overlap_module
+from shardmuon import Muon
+from shardmuon.runtime.overlap import ReadMap
+
+pytestmark = [pytest.mark.usefixtures("one_thread")]
+
+WORKER_DELAY_S = 0.1
+CHUNK_PAUSE_S = 0.03
+
+
+@pytest.fixture
+def slow_worker(monkeypatch):
+    """The overlapped step's worker sleeps before it starts and after each chunk it marks
+    done: whatever the caller does right after ``step()`` happens before the step reads
+    anything, and a forward woken by one chunk runs before the next chunk is written."""
+    run_step = optimizer_module.run_step
+    mark = overlap_module.OverlappedStep._mark
+
+    def late(ctx, schedule, stager, *done):
+        if done:  # the overlapped call (the sequential one passes no marker)
+            time.sleep(WORKER_DELAY_S)
+        return run_step(ctx, schedule, stager, *done)
+
+    def mark_then_pause(self, key):
+        mark(self, key)
+        time.sleep(CHUNK_PAUSE_S)
+
+    monkeypatch.setattr(optimizer_module, "run_step", late)
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", mark_then_pause)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 3))
+
+
+def _optimizer(model: nn.Module, **kwargs) -> Muon:
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    return Muon(
+        [dict(params=matrices), dict(params=others, algorithm="adamw", lr=kwargs.pop("adamw_lr", 0.01))],
+        lr=0.02, weight_decay=0.01, **kwargs,
+    )  # fmt: skip
+
+
+def _pair(make=_mlp, **kwargs):
+    """The same model and optimizer twice: sequential and overlapped (hooked)."""
+    model, reference_model = make(), make()
+    opt = _optimizer(model, overlap="forward", **kwargs)
+    reference = _optimizer(reference_model, **kwargs)
+    opt.overlap_with(model)
+    return model, opt, reference_model, reference
+
+
+def _backward(model: nn.Module, seed: int, shape=(4, 8)) -> None:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    out = model(x)
+    (out[0] if isinstance(out, tuple) else out).square().mean().backward()
+
+
+@pytest.mark.parametrize("offload", [None, "state"])
+@pytest.mark.parametrize("zeroing", ["model.zero_grad(False)", "grad.zero_()", "backward again"])
+def test_grads_written_in_place_right_after_step_do_not_reach_it(slow_worker, zeroing, offload):
+    """Loops with persistent grad buffers zero or refill them in place as soon as
+    ``step()`` returns; the running step reads the grads it was given."""
+    model, opt, reference_model, reference = _pair(offload=offload)
+    for step in range(3):
+        for m, o in ((reference_model, reference), (model, opt)):
+            _backward(m, step)
+            o.step()
+            if zeroing == "model.zero_grad(False)":
+                m.zero_grad(set_to_none=False)
+            elif zeroing == "grad.zero_()":
+                for p in m.parameters():
+                    p.grad.zero_()
+            else:  # the next micro-batch accumulates into the same buffers
+                _backward(m, 100 + step)
+                m.zero_grad(set_to_none=False)
+    opt.synchronize()
+    assert_same_optimizers(
+        reference, list(reference_model.parameters()), opt, list(model.parameters())
+    )
+
+
+def test_a_tensor_lr_filled_right_after_step_does_not_reach_it(slow_worker):
+    """A scheduler ``fill_()``s a tensor lr (every group's, AdamW's included) as soon as
+    ``step()`` returns; the running step uses the lr it began with."""
+    model, opt, reference_model, reference = _pair()
+    for group in (*opt.param_groups, *reference.param_groups):
+        group["lr"] = torch.tensor(float(group["lr"]))
+    for step in range(3):
+        for m, o in ((reference_model, reference), (model, opt)):
+            _backward(m, step)
+            o.step()
+            for group in o.param_groups:
+                group["lr"].fill_(group["lr"].item() * 0.5)
+    opt.synchronize()
+    assert_same_optimizers(
+        reference, list(reference_model.parameters()), opt, list(model.parameters())
+    )
+
+
+def _encoder() -> nn.Module:
+    torch.manual_seed(0)
+    # No biases: the attention's hook then waits for its own matrix's chunk only (a bias
+    # would make it wait for the AdamW chunk too, which runs after every matrix).
+    return nn.TransformerEncoderLayer(
+        8, 2, dim_feedforward=16, dropout=0.0, batch_first=True, bias=False
+    )
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_parent_forward_reading_a_child_weight_waits_for_it(slow_worker, mode):
+    """``nn.MultiheadAttention`` reads ``out_proj.weight`` in its own forward (``out_proj``'s
+    forward never runs): the forward right after ``step()`` computes with the new weights."""
+    model, opt, reference_model, reference = _pair(_encoder)
+    outputs = {}
+    # One loop after the other: a sequential step waits for every overlapped one in flight.
+    for m, o in ((reference_model, reference), (model, opt)):
+        for step in range(3):
+            m.train(mode == "train")
+            with torch.no_grad() if mode == "eval" else torch.enable_grad():
+                outputs.setdefault(id(m), []).append(m(torch.ones(2, 3, 8) * (step + 1)).clone())
+            m.train()
+            o.zero_grad()
+            _backward(m, step, (2, 3, 8))
+            o.step()
+    pairs = list(zip(outputs[id(model)], outputs[id(reference_model)]))
+    assert all(torch.equal(a, b) for a, b in pairs)
+    opt.synchronize()
+    assert_same_optimizers(
+        reference, list(reference_model.parameters()), opt, list(model.parameters())
+    )
+
+
+class _TiedFunctional(nn.Module):
+    """A head applied functionally: the parent's forward reads a child's weight whose own
+    forward never runs (and one child, unused, whose forward never runs at all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        # Other shapes, other batches (chunks); no biases (see _encoder).
+        self.body = nn.Linear(8, 16, bias=False)
+        self.head = nn.Linear(16, 5, bias=False)
+        self.unused = nn.Linear(3, 7, bias=False)
+
+    def forward(self, x):
+        out = torch.nn.functional.linear(self.body(x), self.head.weight)
+        return out + self.unused.weight.sum()
+
+
+def test_a_weight_read_functionally_by_the_parent_waits_for_it(slow_worker):
+    model, opt, reference_model, reference = _pair(_TiedFunctional)
+    losses = {id(model): [], id(reference_model): []}
+    for m, o in ((reference_model, reference), (model, opt)):  # one loop after the other
+        for step in range(4):
+            loss = m(torch.ones(2, 8) * (step + 1)).square().mean()
+            losses[id(m)].append(loss.item())
+            o.zero_grad()
+            loss.backward()
+            o.step()
+    assert losses[id(model)] == losses[id(reference_model)]
+
+
+def test_after_the_first_forward_each_module_waits_only_for_what_it_reads():
+    """The overlap is kept: once a forward has shown which modules run, the root's hook
+    waits for nothing and a layer's hook for its own parameters."""
+    model = _mlp()
+    reads = ReadMap(model)
+    everything = sorted(id(p) for p in model.parameters())
+    assert sorted(reads.reads(model)) == everything  # nothing seen yet: cover all
+    handles = [m.register_forward_pre_hook(lambda m, _: reads.saw_run(m)) for m in reads.modules]
+    model(torch.ones(1, 8))
+    for handle in handles:
+        handle.remove()
+    assert reads.reads(model) == []
+    assert reads.reads(model[2]) == [id(p) for p in model[2].parameters()]
+    encoder = _encoder()
+    reads = ReadMap(encoder)
+    for m in reads.modules:
+        m.register_forward_pre_hook(lambda m, _: reads.saw_run(m))
+    encoder(torch.ones(1, 2, 8))
+    attention = encoder.self_attn
+    assert {id(attention.out_proj.weight), id(attention.in_proj_weight)} <= set(
+        reads.reads(attention)
+    )
+    assert id(attention.out_proj.weight) not in reads.reads(encoder)
+
+
+def test_a_layer_runs_while_later_layers_are_still_being_updated(monkeypatch):
+    """Hooks on containers do not turn the overlap off: the first layer's forward runs
+    while the step still holds the last layer's chunk."""
+    model = _mlp()
+    opt = _optimizer(model, overlap="forward")
+    opt.overlap_with(model)
+    model(torch.ones(1, 8)).sum().backward()  # the first forward shows what runs
+    release = threading.Event()
+    mark = overlap_module.OverlappedStep._mark
+    last = ("batch", max(i for _, i in opt._step_schedule()))
+
+    def hold_the_last(self, key):
+        if key == last:
+            release.wait(10)
+        mark(self, key)
+
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", hold_the_last)
+    opt.step()
+    seen = []
+    model[0].register_forward_hook(lambda *_: seen.append(opt._overlap.pending.finished))
+    threading.Timer(0.3, release.set).start()
+    model(torch.ones(1, 8))
+    assert seen == [False]
+    opt.synchronize()
+
+
+def test_step_post_hooks_see_the_finished_step(slow_worker):
+    model, opt, reference_model, reference = _pair()
+    seen = {}
+    for o, m in ((opt, model), (reference, reference_model)):
+        o.register_step_post_hook(
+            lambda o, *_, m=m: seen.setdefault(id(o), []).append(m[0].weight.detach().clone())
+        )
+    for m, o in ((reference_model, reference), (model, opt)):  # one loop after the other
+        for step in range(2):
+            o.zero_grad()
+            _backward(m, step)
+            with (
+                pytest.warns(UserWarning, match="step post-hooks")
+                if (o is opt and step == 0)
+                else contextlib.nullcontext()
+            ):
+                o.step()
+    assert len(seen[id(opt)]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(seen[id(opt)], seen[id(reference)]))
+
+
+def test_a_global_step_post_hook_makes_the_step_wait(slow_worker):
+    model, opt, _, _ = _pair()
+    seen = []
+    handle = register_optimizer_step_post_hook(
+        lambda o, *_: seen.append(o._overlap.pending is None) if o is opt else None
+    )
+    try:
+        _backward(model, 0)
+        with pytest.warns(UserWarning, match="step post-hooks"):
+            opt.step()
+    finally:
+        handle.remove()
+    assert seen == [True]
+
+
+def test_last_step_stats_waits_for_the_step(slow_worker):
+    """``opt.step(); print(opt.last_step_stats)``: the finished step's counters (a matrix
+    whose grad holds NaN counted)."""
+    model, opt, _, _ = _pair()
+    _backward(model, 0)
+    model[2].weight.grad[0, 0] = float("nan")
+    opt.step()
+    stats = opt.last_step_stats
+    assert opt._overlap.pending is None
+    assert stats.nonfinite_matrices == 1
+    assert stats.workspace_peak_bytes > 0
+
+
+@pytest.mark.parametrize("copier", ["deepcopy", "torch.save", "AveragedModel", "layer deepcopy"])
+def test_the_model_can_be_copied_and_saved_right_after_step(slow_worker, copier):
+    """A copy holds the updated weights (it waits for the step) and gets no hooks that wait
+    for this optimizer; the original keeps its hooks."""
+    model, opt, reference_model, reference = _pair()
+    for m, o in ((reference_model, reference), (model, opt)):
+        _backward(m, 0)
+        o.step()
+    if copier == "deepcopy":
+        copied = copy.deepcopy(model)
+    elif copier == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    elif copier == "layer deepcopy":
+        copied = nn.Sequential(model[0], model[1], copy.deepcopy(model[2]), model[3])
+        opt.synchronize()
+    else:
+        copied = torch.optim.swa_utils.AveragedModel(model).module
+    expected = dict(reference_model.named_parameters())
+    assert all(torch.equal(p, expected[n]) for n, p in copied.named_parameters())
+    copied(torch.ones(1, 8))  # its hooks are inert
+    # The original still overlaps its next step.
+    for m, o in ((reference_model, reference), (model, opt)):
+        o.zero_grad()
+        _backward(m, 1)
+        o.step()
+    assert opt._overlap.pending is not None
+    opt.synchronize()
+    assert_same_optimizers(
+        reference, list(reference_model.parameters()), opt, list(model.parameters())
+    )
