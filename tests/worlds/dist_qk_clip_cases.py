@@ -319,6 +319,44 @@ def _placements(ctx: Context) -> None:
     fail_on(problems)
 
 
+@case("rows_on_a_mesh_out_of_order_refused_on_every_rank", (4,))
+def _mesh_out_of_order(ctx: Context) -> None:
+    """On a mesh listing its ranks out of order a row shard may hold other rows by mesh
+    coordinate than by group rank; QK-clip would scale the wrong rows: every rank refuses.
+    Columns, replicas and ascending meshes are scaled as before."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from shardmuon.qk_clip.shards import check_scalable
+
+    problems = []
+    for ranks, placement, refused in (
+        ([3, 2, 1, 0], Shard(0), True),
+        ([1, 0, 3, 2], Shard(0), True),
+        ([3, 2, 1, 0], Shard(1), False),
+        ([3, 2, 1, 0], Replicate(), False),
+        ([0, 1, 2, 3], Shard(0), False),
+    ):
+        mesh = DeviceMesh("cpu", torch.tensor(ranks))
+        local = {Shard(0): torch.ones(3, 8), Shard(1): torch.ones(12, 2)}.get(
+            placement, torch.ones(12, 8)
+        )
+        param = DTensor.from_local(local, mesh, [placement], shape=(12, 8), stride=(8, 1))
+        label = f"mesh {ranks} {placement}"
+        if refused:
+            problems += expect_raises(
+                ValueError,
+                ["q.weight has its rows sharded over a mesh", str(ranks), "ascending order"],
+                lambda param=param: check_scalable("q.weight", param),
+            )
+        else:
+            try:
+                check_scalable("q.weight", param)
+            except ValueError as err:
+                problems.append(f"{label}: refused ({err})")
+    fail_on(problems)
+
+
 @case("groups_and_failures_that_would_corrupt_or_hang", (4,))
 def _misuse(ctx: Context) -> None:
     """Escapes found by attacking: a group that leaves out ranks holding the model (each

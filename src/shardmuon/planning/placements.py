@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,7 @@ __all__ = [
     "local_slice",
     "local_tensor",
     "matrix_layout",
+    "placed_ambiguously",
 ]
 
 
@@ -137,9 +139,16 @@ def local_indices(like: DTensor, dim: int, size: int | None = None) -> list[int]
     would cut some of those differently). ``size``: the global size of ``dim`` (default
     ``like``'s). ``Partial`` is not a layout of data and is refused.
     """
-    mesh = like.device_mesh
     # Group ranks, as FSDP2 and distribute_tensor place shards (see mesh_order).
-    coordinate = mesh_order(mesh).group_coordinate_of(dist.get_rank())
+    coordinate = mesh_order(like.device_mesh).group_coordinate_of(dist.get_rank())
+    return _indices_at(like, dim, size, coordinate)
+
+
+def _indices_at(
+    like: DTensor, dim: int, size: int | None, coordinate: Sequence[int]
+) -> list[int] | None:
+    """:func:`local_indices` of the rank at ``coordinate`` along each mesh dim."""
+    mesh = like.device_mesh
     ndim = like.ndim
     size = like.shape[dim] if size is None else size
     dim_splits: list[tuple[int, int, int]] = []
@@ -155,6 +164,22 @@ def local_indices(like: DTensor, dim: int, size: int | None = None) -> list[int]
     if not dim_splits:
         return None
     return [i for start, stop in shard_ranges(size, dim_splits) for i in range(start, stop)]
+
+
+def placed_ambiguously(like: DTensor, dim: int) -> bool:
+    """Whether some rank of ``like``'s mesh holds other indices along ``dim`` when its shard
+    was placed by mesh coordinate (``distribute_tensor(..., src_data_rank=None)``) than by
+    group rank (FSDP2, ``distribute_tensor``'s scatter): a mesh that does not list the ranks
+    of a dim sharding ``dim`` in ascending order. No rank can tell which placement made its
+    shard. The same answer on every rank (read from the mesh alone)."""
+    order = mesh_order(like.device_mesh)
+    if not order.permuted:
+        return False
+    return any(
+        _indices_at(like, dim, None, order.group_coordinate_of(rank))
+        != _indices_at(like, dim, None, order.coordinate_of(rank))
+        for rank in order.ranks()
+    )
 
 
 def local_slice(full: Tensor, like: DTensor) -> Tensor:

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial
 
-from shardmuon.planning.placements import local_indices, local_tensor
+from shardmuon.planning.placements import local_indices, local_tensor, placed_ambiguously
 
 __all__ = ["check_scalable", "head_offset", "scale_rows_", "scale_whole_"]
 
@@ -26,6 +26,15 @@ def check_scalable(name: str, param: Tensor) -> None:
         raise ValueError(
             f"{name} has placements {tuple(param.placements)}: a Partial tensor holds "
             "summands, not rows, so QK-clip cannot scale its rows locally"
+        )
+    if isinstance(param, DTensor) and placed_ambiguously(param, 0):
+        ranks = param.device_mesh.mesh.tolist()
+        raise ValueError(
+            f"{name} has its rows sharded over a mesh that lists its ranks out of order "
+            f"({ranks}): a shard placed by mesh coordinate (distribute_tensor(..., "
+            "src_data_rank=None)) holds other rows than one placed by group rank (FSDP2, "
+            "distribute_tensor's scatter), and no rank can tell which, so QK-clip would scale "
+            "the wrong rows; build the mesh with the ranks of every dim in ascending order"
         )
 
 
