@@ -40,6 +40,7 @@ from shardmuon.runtime.agreement import (
     check_live_agreement,
     check_plan_agreement,
     live_settings,
+    spread_rounds,
 )
 from shardmuon.runtime.calibration import calibrate_plan, read_auto_record, with_auto_record
 from shardmuon.runtime.exchange import warmup_groups
@@ -48,6 +49,7 @@ from shardmuon.runtime.overlap import (
     OVERLAP_CHOICES,
     ForwardOverlap,
     forward_order,
+    snapshot_group,
     synchronize_all,
 )
 from shardmuon.runtime.phases import StepContext, orthogonalize_directions
@@ -212,12 +214,14 @@ class Muon(Optimizer):
         self._plan_verified = False
         # The groups of the last plan every rank agreed on: each step's live check runs there.
         self._agreed_groups: list = []
+        self._agreed_rounds = 0
         self._auto_choices: dict[tuple[int, int], str] | None = None
         self._schedule = ScheduleCache()
         self._rounds = ChunkRounds()
         self._state_stager: StateStager | None = None
         self._overlap = ForwardOverlap()
         self._warned_post_hooks = False
+        self._round_context: StepContext | None = None
         # Per group: the count its parameters' ``step`` counters were last given.
         self._counted_steps: dict[int, int] = {}
         self._last_stats = StepStats()
@@ -306,13 +310,16 @@ class Muon(Optimizer):
 
     def chunks(self) -> list[Chunk]:
         """Muon batches (exchanged ones first), then AdamW groups; fixed while the plan is
-        (a changed planned setting gives new chunk objects)."""
-        self._ensure_plan()
+        (a changed planned setting gives new chunk objects at the next round: an open
+        ``step_chunk`` round keeps the plan it began with)."""
+        if not self._rounds.is_open:
+            self._ensure_plan()
         return [*self._plan.batches, *self._plan.adamw]
 
     def chunk_info(self, chunk: Chunk) -> ChunkInfo:
         """What ``chunk`` (one of :meth:`chunks`) holds: parameters, matrices, state bytes."""
-        self._ensure_plan()
+        if not self._rounds.is_open:
+            self._ensure_plan()
         return chunk_info(self._plan, self.param_groups, self.state, chunk)
 
     def warmup(self) -> None:
@@ -332,6 +339,7 @@ class Muon(Optimizer):
         raises in a check, nothing changed; if later (out of memory, a failed collective),
         counters and momenta have advanced and finished chunks are updated, the rest not:
         restore a checkpoint rather than step again."""
+        self.synchronize()  # raises while a failed overlapped step is not restored
         synchronize_all()  # this optimizer's last step, and any other's (their groups)
         loss = None
         if closure is not None:
@@ -403,10 +411,10 @@ class Muon(Optimizer):
                 self._plan.batches, ns, self._device(), eps, self._auto_record
             )
 
-    def _context(self) -> StepContext:
+    def _context(self, param_groups: list[dict] | None = None) -> StepContext:
         return StepContext(
             plan=self._plan,
-            param_groups=self.param_groups,
+            param_groups=self.param_groups if param_groups is None else param_groups,
             state=self.state,
             stats=self._last_stats,
             orthogonalizer=self._newton_schulz_settings().orthogonalizer(self._auto_choices),
@@ -422,7 +430,8 @@ class Muon(Optimizer):
         communicate go in the order of :meth:`chunks`, local and AdamW chunks in any order.
         A chunk that raised before any collective can be stepped again (it resumes); one
         that raised after its collectives began breaks the round until ``load_state_dict``
-        restores a checkpoint (``runtime/rounds.py``).
+        restores a checkpoint (``runtime/rounds.py``). A round reads its settings once, when
+        it opens: edits made between its chunks take effect at the next round.
         """
         self.synchronize()
         if not self._rounds.is_open:
@@ -432,7 +441,10 @@ class Muon(Optimizer):
         if not self._rounds.is_open:
             self._begin_round()
             self._rounds.open()
-        ctx, stager = self._context(), self._stager()
+            # The round's settings, read once: an edit between its chunks (on one rank: a
+            # divergence) takes effect at the next round, whose live check compares it.
+            self._round_context = self._context([snapshot_group(g) for g in self.param_groups])
+        ctx, stager = self._round_context, self._stager()
         self._rounds.run(
             key,
             lambda: chunk_progress(ctx, chunk),
@@ -456,6 +468,7 @@ class Muon(Optimizer):
             self._calibrate_auto()
             self._plan_verified = True
             self._agreed_groups = agreement_groups(self._plan.batches)
+            self._agreed_rounds = spread_rounds(p for g in self.param_groups for p in g["params"])
         advance_step_counters(self.param_groups, self.state, self._counted_steps)
         self._last_stats = StepStats()
         return schedule
@@ -475,8 +488,10 @@ class Muon(Optimizer):
         # One spelling per dtype ("float32" is torch.float32); a bad value as it is.
         with contextlib.suppress(TypeError, ValueError):
             settings["newton_schulz_dtype"] = str(resolve_ns_dtype(self.newton_schulz_dtype))
+        with contextlib.suppress(TypeError, ValueError):  # a preset's name is its triples
+            settings["coefficients"] = resolve_coefficients(self.coefficients)
         entries = live_settings(settings, self.param_groups)
-        check_live_agreement(self._agreed_groups, entries, self._device())
+        check_live_agreement(self._agreed_groups, entries, self._device(), self._agreed_rounds)
 
     def _check_agreement(self) -> None:
         """Every group's ranks agree on batches, settings and grads (see ``runtime/agreement.py``)."""

@@ -189,28 +189,69 @@ def test_a_weight_read_functionally_by_the_parent_waits_for_it(slow_worker):
 
 
 def test_after_the_first_forward_each_module_waits_only_for_what_it_reads():
-    """The overlap is kept: once a forward has shown which modules run, the root's hook
-    waits for nothing and a layer's hook for its own parameters."""
+    """The overlap is kept: once a whole forward has shown which modules run, the root's
+    hook waits for nothing and a layer's hook for its own parameters; a module skipped by
+    one forward is covered by its parent from then on."""
     model = _mlp()
     reads = ReadMap(model)
     everything = sorted(id(p) for p in model.parameters())
     assert sorted(reads.reads(model)) == everything  # nothing seen yet: cover all
-    handles = [m.register_forward_pre_hook(lambda m, _: reads.saw_run(m)) for m in reads.modules]
+    for m in reads.modules:
+        m.register_forward_pre_hook(lambda m, _: reads.saw_run(m))
     model(torch.ones(1, 8))
-    for handle in handles:
-        handle.remove()
+    assert sorted(reads.reads(model)) == everything  # the first pass has not ended
+    model(torch.ones(1, 8))  # ends it
     assert reads.reads(model) == []
     assert reads.reads(model[2]) == [id(p) for p in model[2].parameters()]
+    model[0](torch.ones(1, 8))  # a layer called alone is not a pass of the model
+    assert reads.reads(model) == []
     encoder = _encoder()
     reads = ReadMap(encoder)
     for m in reads.modules:
         m.register_forward_pre_hook(lambda m, _: reads.saw_run(m))
-    encoder(torch.ones(1, 2, 8))
+    for _ in range(2):
+        encoder(torch.ones(1, 2, 8))
     attention = encoder.self_attn
     assert {id(attention.out_proj.weight), id(attention.in_proj_weight)} <= set(
         reads.reads(attention)
     )
     assert id(attention.out_proj.weight) not in reads.reads(encoder)
+
+
+class _Branchy(nn.Module):
+    """A child run on odd forwards and applied functionally by its parent on even ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(8, 16, bias=False)
+        self.head = nn.Linear(16, 5, bias=False)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.body(x)
+        if self.calls % 2:
+            return self.head(h)
+        return torch.nn.functional.linear(h, self.head.weight)
+
+
+def test_a_child_skipped_by_some_forwards_is_covered_by_its_parent(slow_worker):
+    """Once a forward has skipped the child (here: the second, before any step), its parent
+    waits for it in every later forward."""
+    model, opt, reference_model, reference = _pair(_Branchy)
+    losses = {id(model): [], id(reference_model): []}
+    for m, o in ((reference_model, reference), (model, opt)):  # one loop after the other
+        with torch.no_grad():
+            m(torch.ones(2, 8))
+            m(torch.ones(2, 8))
+        for step in range(5):
+            loss = m(torch.ones(2, 8) * (step + 1)).square().mean()
+            losses[id(m)].append(loss.item())
+            o.zero_grad()
+            loss.backward()
+            o.step()
+    assert losses[id(model)] == losses[id(reference_model)]
 
 
 def test_a_layer_runs_while_later_layers_are_still_being_updated(monkeypatch):
@@ -321,3 +362,64 @@ def test_the_model_can_be_copied_and_saved_right_after_step(slow_worker, copier)
     assert_same_optimizers(
         reference, list(reference_model.parameters()), opt, list(model.parameters())
     )
+
+
+def test_a_model_compiled_before_overlap_with_waits_too(slow_worker):
+    """``torch.compile`` traced the model before the hooks existed (a warm-up forward): the
+    overlapped forwards still wait (compiled code guards on hooks once ``overlap_with``
+    ran, and the hooks are never traced)."""
+    outputs = {}
+    for overlap in (None, "forward"):
+        torch._dynamo.reset()
+        model = _mlp()
+        compiled = torch.compile(model, backend="eager")
+        compiled(torch.ones(4, 8)).sum()  # traced without hooks, grad mode on
+        opt = _optimizer(model, overlap=overlap)
+        if overlap:
+            opt.overlap_with(model)
+        for step in range(3):
+            out = compiled(torch.ones(4, 8) * (step + 1))
+            outputs.setdefault(overlap, []).append(out.detach().clone())
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(outputs[None], outputs["forward"]))
+
+
+def test_a_failed_step_keeps_failing_until_a_restore(monkeypatch):
+    """After the worker failed, every wait (the forward's, synchronize, a checkpoint, the
+    next step) raises until ``load_state_dict`` restores: a half-applied step is never
+    saved or stepped on."""
+    from shardmuon.runtime.overlap import OverlapError
+
+    model = _mlp()
+    opt = _optimizer(model, overlap="forward")
+    opt.overlap_with(model)
+    _backward(model, 0)
+    opt.step()
+    opt.synchronize()
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    mark = overlap_module.OverlappedStep._mark
+
+    def fail(self, key):
+        if key == ("batch", 0):
+            raise RuntimeError("injected failure")
+        mark(self, key)
+
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", fail)
+    _backward(model, 1)
+    opt.step()
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", mark)
+    with pytest.raises(OverlapError, match="injected failure"):
+        model(torch.ones(1, 8))
+    for again in (opt.synchronize, opt.state_dict, model.state_dict, opt.step):
+        with pytest.raises(OverlapError, match="restore a checkpoint"):
+            again()
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    opt.zero_grad()
+    _backward(model, 2)
+    opt.step()
+    opt.synchronize()

@@ -31,7 +31,7 @@ from dist_checks import (
 )
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardmuon import Muon
 from shardmuon.planning.placements import local_tensor
@@ -267,6 +267,100 @@ _edited_case("edited_in_flight_on_one_rank", "max_in_flight", _set_attribute("ma
 _edited_case(
     "edited_ns_dtype_on_one_rank", "newton_schulz_dtype", _set_attribute("newton_schulz_dtype", 7)
 )
+
+
+@case("edited_mid_round_on_one_rank_applies_at_the_next_round")
+def _mid_round(ctx: Context) -> None:
+    """The last rank edits lr (and a planned key) between two communicating chunks of a
+    step_chunk round: the round finishes with the settings it opened with on every rank
+    (bitwise the reference step), and the next round raises the agreement error on all."""
+    specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,))]
+    params, opt = _build(ctx, specs)
+    reference_params, reference = _build(ctx, specs)
+    set_placed_constant_grads(ctx, params, specs)
+    set_placed_constant_grads(ctx, reference_params, specs)
+    chunks = opt.chunks()
+    opt.step_chunk(chunks[0])
+    if _last(ctx):
+        opt.param_groups[0]["lr"] = 0.5
+        opt.param_groups[0]["adjust_lr"] = "rms_norm"
+    for chunk in opt.chunks()[1:]:
+        opt.step_chunk(chunk)
+    reference.step()
+    problems = [
+        f"param {i} differs from the reference step"
+        for i, (p, q) in enumerate(zip(params, reference_params))
+        if not torch.equal(full(p), full(q))
+    ]
+    with counting_all_to_all() as calls:
+        problems += expect_raises(ValueError, [DISAGREE, "lr ("], lambda: opt.step_chunk(chunks[0]))
+    if calls:
+        problems.append(f"{len(calls)} all-to-alls ran before the error")
+    fail_on(problems)
+
+
+@case("hsdp_edit_on_one_rank_stops_every_rank", (4,))
+def _hsdp_every_rank(ctx: Context) -> None:
+    """HSDP 2x2: rank 0 differs (from the start, then after step 1); rank 3 shares no
+    process group with it, yet stops too instead of waiting in its all-to-all for rank 2."""
+    specs = [Spec((8, 6), (R, S0), "2d"), Spec((10, 6), (R, S0), "2d")]
+    problems = []
+    for when in ("first step", "after step 1"):
+        lr = 0.05 if ctx.rank == 0 and when == "first step" else 0.02
+        params, opt = _build(ctx, specs, lr=lr)
+        set_placed_constant_grads(ctx, params, specs)
+        if when == "after step 1":
+            opt.step()
+            if ctx.rank == 0:
+                opt.param_groups[0]["lr"] = 0.05
+        expected = [DISAGREE] if ctx.rank != 3 else ["ranks this one shares no process group"]
+        problems += [f"{when}: {p}" for p in _expect_refused(ctx, opt, params, expected)]
+    fail_on(problems)
+
+
+@case("the_same_values_held_differently_are_not_a_disagreement")
+def _same_values(ctx: Context) -> None:
+    """After step 1 the last rank holds the same settings as other types (0 for 0.0, a
+    numpy float, the preset's name for its triples), and every rank holds a plain tensor of
+    its own shape (rank-local experts): later steps pass, bitwise the reference."""
+    import numpy as np
+
+    specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,))]
+
+    def build(seed: int):
+        params, _ = _build(ctx, specs, seed=seed)
+        own = nn.Parameter(torch.ones(ctx.rank + 1, 4, 4))
+        opt = Muon([*params, own], lr=0.02, weight_decay=0.0)
+        set_placed_constant_grads(ctx, params, specs)
+        own.grad = torch.ones_like(own)
+        return [*params, own], opt
+
+    params, opt = build(0)
+    reference_params, reference = build(0)
+    problems = []
+    opt.step()
+    reference.step()
+    if _last(ctx):
+        opt.param_groups[0]["weight_decay"] = 0
+        opt.param_groups[0]["lr"] = np.float64(0.02)
+        opt.coefficients = "dion"
+    for _ in range(2):
+        try:
+            opt.step()
+        except ValueError as err:
+            problems.append(f"refused: {err}")
+            break
+        reference.step()
+    differ = [
+        i
+        for i, (p, q) in enumerate(zip(params, reference_params))
+        if not torch.equal(
+            full(p) if isinstance(p, DTensor) else p, full(q) if isinstance(q, DTensor) else q
+        )
+    ]
+    if differ:
+        problems.append(f"params {differ} differ from the reference")
+    fail_on(problems)
 
 
 @case("same_edit_on_every_rank_steps_as_built_so")

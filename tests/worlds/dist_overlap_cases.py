@@ -138,11 +138,18 @@ def _optimizer(model: nn.Module, **kwargs) -> Muon:
     )  # fmt: skip
 
 
-def _train(ctx: Context, model: nn.Module, opt: Muon, steps: range) -> list[float]:
+def _train(
+    ctx: Context,
+    model: nn.Module,
+    opt: Muon,
+    steps: range,
+    before_forward: Callable[[], None] = lambda: None,
+) -> list[float]:
     """Even steps accumulate two micro-batches; every step clips the grad norm to 0.5."""
     losses = []
     for step in steps:
         for micro in range(2 if step % 2 == 0 else 1):
+            before_forward()
             generator = torch.Generator().manual_seed(10_000 * step + 100 * micro + ctx.rank)
             loss = model(torch.randn(6, 8, generator=generator)).square().mean()
             loss.backward()
@@ -228,6 +235,65 @@ def hsdp_model_split_replicas_bitwise(ctx: Context) -> None:
     _models_bitwise(ctx, _fully_shard(ctx.mesh_2d), split_replicas=True)
 
 
+def fsdp2_explicit_unshard_bitwise(ctx: Context) -> None:
+    """``FSDPModule.unshard()`` called on every FSDP2 module before the forward (a pipeline
+    schedule's prefetch): its all-gather waits for the module's update like its forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    plain, overlapped = _fully_shard(ctx.mesh)(_layers()), _fully_shard(ctx.mesh)(_layers())
+    a = _optimizer(plain)
+    b = _optimizer(overlapped, overlap="forward")
+    b.overlap_with(overlapped)
+
+    def unshard_all(model: nn.Module) -> Callable[[], None]:
+        def unshard() -> None:
+            units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+            for handle in [unit.unshard(async_op=True) for unit in units]:
+                if handle is not None:
+                    handle.wait()
+
+        return unshard
+
+    losses_a = _train(ctx, plain, a, range(4), unshard_all(plain))
+    with PauseAfterEachChunk():
+        losses_b = _train(ctx, overlapped, b, range(4), unshard_all(overlapped))
+    assert losses_a == losses_b
+    b.synchronize()
+    assert_same_local_optimizers(a, list(plain.parameters()), b, list(overlapped.parameters()))
+
+
+def step_groups_made_once_and_a_local_optimizer_asks_nobody(ctx: Context) -> None:
+    """The step's own process groups are made at the first overlapped step of a plan (one
+    world ``all_gather_object``), not at every step; an overlapped optimizer of this rank's
+    own parameters (rank 0 only) communicates with no one."""
+    model = _fully_shard(ctx.mesh)(_layers())
+    opt = _optimizer(model, overlap="forward")
+    opt.overlap_with(model)
+    gathers = []
+    original = dist.all_gather_object
+
+    def counted(*args, **kwargs):
+        gathers.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_gather_object = counted
+    try:
+        _train(ctx, model, opt, range(3))
+        opt.synchronize()
+    finally:
+        dist.all_gather_object = original
+    assert len(gathers) <= 1, f"{len(gathers)} world gathers in 3 overlapped steps"
+    if ctx.rank == 0:
+        own = nn.Linear(6, 5, bias=False)
+        local = Muon(own.parameters(), lr=0.02, overlap="forward")
+        local.overlap_with(own)
+        for _ in range(2):
+            own(torch.ones(2, 6)).sum().backward()
+            local.step()
+        local.synchronize()
+    dist.barrier()
+
+
 def ddp_model_bitwise(ctx: Context) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -301,6 +367,10 @@ CASES_BY_WORLD: dict[int, dict[str, Callable[[Context], None]]] = {
         "placements_bitwise_offloaded": placements_bitwise_offloaded,
         "fsdp2_model_bitwise": fsdp2_model_bitwise,
         "fsdp2_forward_prefetch_bitwise": fsdp2_forward_prefetch_bitwise,
+        "fsdp2_explicit_unshard_bitwise": fsdp2_explicit_unshard_bitwise,
+        "step_groups_made_once_and_a_local_optimizer_asks_nobody": (
+            step_groups_made_once_and_a_local_optimizer_asks_nobody
+        ),
         "ddp_model_bitwise": ddp_model_bitwise,
         "a_failure_on_every_rank_raises_alike_and_a_restore_recovers": (
             a_failure_on_every_rank_raises_alike_and_a_restore_recovers

@@ -10,8 +10,12 @@ update), or sizes differ and the collective aborts or hangs.
 The check describes, for each group, everything that must agree as seen from this rank,
 hashes it (SHA-256, 63 bits) and reduces ``[h, -h, g, -g]`` with MAX over the group (``g``:
 a hash of which parameters have grads): every rank then holds the group's max and min of
-each hash, so all of them see the same verdict and raise the same error, with no second
-collective. Exact: a mismatch cannot cancel out as in a sum.
+each hash, so all of them see the same verdict and raise the same error. Exact: a mismatch
+cannot cancel out as in a sum. A rank that shares no group with the ranks that differ
+(HSDP's 2x2 mesh: ranks 0 and 3) must stop too, or it waits in an all-to-all for a peer that
+raised: the verdict is passed on over every group once per further mesh dim
+(:func:`spread_rounds`; a 1-element MAX all-reduce per group and round, none on a 1-D mesh),
+and such a rank raises saying that others found a difference.
 
 The groups are those of the shard dims (the all-to-alls) and of the replicate dims (where
 ``split_replicas`` broadcasts; where HSDP replicas must stay identical), visited in sorted
@@ -38,11 +42,13 @@ every rank: never a divergence, an abort, or a collective only one rank started.
 from __future__ import annotations
 
 import hashlib
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.groups import ShardGroup
@@ -55,6 +61,7 @@ __all__ = [
     "collective_order",
     "first_difference",
     "live_settings",
+    "spread_rounds",
 ]
 
 # Keys of a group that change the update of its parameters.
@@ -273,10 +280,13 @@ def collective_order(
 
 
 def _plain(value: object) -> object:
-    """A live setting as a comparable value, whatever it holds (it is not validated yet): a
-    1-element tensor is its number, a larger one its shape."""
+    """A live setting as a comparable value, whatever it holds (it is not validated yet):
+    a number is a float (``0``, ``0.0`` and ``numpy.float64(0)`` are one value; a bool
+    stays a bool), a 1-element tensor its number, a larger one its shape."""
     if isinstance(value, Tensor):
-        return value.item() if value.numel() == 1 else ("tensor", tuple(value.shape))
+        return float(value.item()) if value.numel() == 1 else ("tensor", tuple(value.shape))
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
     if isinstance(value, (list, tuple)):
         return tuple(_plain(v) for v in value)
     return value
@@ -285,27 +295,58 @@ def _plain(value: object) -> object:
 def live_settings(settings: Mapping[str, object], param_groups: Sequence[dict]) -> list[Entry]:
     """What every rank must hold alike at every step, as labelled entries: the number of
     groups, ``settings`` (the optimizer's agreed settings, one spelling per value) and each
-    group's :data:`LIVE_GROUP_KEYS` with its parameters' count and (global) shapes."""
+    group's :data:`LIVE_GROUP_KEYS` with the count and global shapes of its DTensor
+    parameters (a plain tensor is this rank's own: its shape may differ between ranks)."""
     entries: list[Entry] = [
         ("the param groups", (("count", len(param_groups)),)),
         _settings_entry({name: _plain(value) for name, value in settings.items()}),
     ]
     for index, group in enumerate(param_groups):
         params = group.get("params", ())
-        shapes = tuple(tuple(p.shape) for p in params)
+        shapes = tuple(tuple(p.shape) for p in params if isinstance(p, DTensor))
         fields = [(key, _plain(group.get(key, "(not set)"))) for key in LIVE_GROUP_KEYS]
-        fields.append(("parameters (count, shapes)", (len(shapes), hash(shapes))))
+        fields.append(("DTensor parameters (count, shapes)", (len(shapes), hash(shapes))))
         entries.append((f"param group {index}", tuple(fields)))
     return entries
 
 
-def check_live_agreement(
-    groups: Sequence[ShardGroup], entries: Sequence[Entry], device: torch.device
-) -> None:
-    """Raise on every rank of a group whose ranks hold different :func:`live_settings`.
+def spread_rounds(params: Iterable[Tensor]) -> int:
+    """How many times a failure found in one group must be passed on over every group so
+    that every rank of the job hears of it: the groups run along mesh dims, so two ranks of
+    a ``d``-dimensional mesh are at most ``d`` groups apart (HSDP's 2x2: rank 3 shares no
+    group with rank 0, yet would wait in its all-to-all for a peer that raised)."""
+    ndims = [p.device_mesh.ndim for p in params if isinstance(p, DTensor)]
+    return max(ndims, default=1) - 1
 
-    One 2-element all-reduce (MAX of ``[h, -h]``) per group, then one host sync for all of
-    them; a second collective (naming what differs) only where the digests differ.
+
+def _spread(found: Tensor, groups: Sequence[ShardGroup], rounds: int) -> Tensor:
+    """``found`` (``[1]`` int64, 1 where this rank found a mismatch) reduced with MAX over
+    every group, ``rounds`` times: then 1 on every rank of the job if on any (no host sync)."""
+    for _ in range(rounds):
+        for group in groups:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group.process_group)
+    return found
+
+
+ELSEWHERE = (
+    "the ranks of this job disagree on the Muon step: ranks this one shares no process group "
+    "with found a difference (their error names it); every rank stops here so that none "
+    "waits for a peer that stopped"
+)
+
+
+def check_live_agreement(
+    groups: Sequence[ShardGroup],
+    entries: Sequence[Entry],
+    device: torch.device,
+    rounds: int = 0,
+) -> None:
+    """Raise on every rank of the job when the ranks of a group hold different
+    :func:`live_settings`.
+
+    One 2-element all-reduce (MAX of ``[h, -h]``) per group, the verdict passed on
+    ``rounds`` times over every group (:func:`spread_rounds`), then one host sync; a further
+    collective (naming what differs) only where the digests differ.
     """
     if not groups:
         return
@@ -315,7 +356,10 @@ def check_live_agreement(
         local = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group.process_group)
         reduced.append(local)
-    verdicts = torch.stack(reduced).tolist()
+    stacked = torch.stack(reduced)
+    found = (stacked[:, 0] != -stacked[:, 1]).any().to(torch.int64).reshape(1)
+    *flat, anywhere = torch.cat([stacked.flatten(), _spread(found, groups, rounds)]).tolist()
+    verdicts = [flat[i : i + 2] for i in range(0, len(flat), 2)]
     errors = []
     for group, (high, low) in zip(groups, verdicts):
         if high == -low:
@@ -330,6 +374,8 @@ def check_live_agreement(
         )
     if errors:
         raise ValueError(errors[0])
+    if anywhere:
+        raise ValueError(ELSEWHERE)
 
 
 def _hash63(value: object) -> int:
@@ -347,14 +393,19 @@ def check_agreement(
     device: torch.device,
     ops: Sequence[tuple[str, int]] = (),
     compare_grads: bool = True,
+    rounds: int = 0,
 ) -> None:
-    """Raise on every rank of a group whose ranks disagree (see the module docstring).
-    ``compare_grads=False`` (``check_grads="never"``): the grad flags are left out.
+    """Raise on every rank of the job when the ranks of a group disagree (see the module
+    docstring). ``compare_grads=False`` (``check_grads="never"``): the grad flags are left
+    out. ``rounds``: how often a mismatch is passed on over every group
+    (:func:`spread_rounds`), so that ranks sharing no group with the one that differs stop
+    too.
 
     Every group's reduction runs before anything raises, so a rank that finds a mismatch in
     one group still joins its later groups and no peer is left waiting.
     """
     errors: list[str] = []
+    reduced: list[tuple[ShardGroup, list, list, Tensor]] = []
     for group in groups:
         described, flags, missing = describe(
             group.ranks, batches, params, group_of, param_groups, settings, ops
@@ -365,7 +416,14 @@ def check_agreement(
             [plan_hash, -plan_hash, grads_hash, -grads_hash], dtype=torch.int64, device=device
         )
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group.process_group)
-        high_plan, low_plan, high_grads, low_grads = local.tolist()
+        reduced.append((group, described, missing, local))
+    if not reduced:
+        return
+    stacked = torch.stack([local for *_, local in reduced])
+    found = (stacked[:, [0, 2]] != -stacked[:, [1, 3]]).any().to(torch.int64).reshape(1)
+    *flat, anywhere = torch.cat([stacked.flatten(), _spread(found, groups, rounds)]).tolist()
+    for k, (group, described, missing, _) in enumerate(reduced):
+        high_plan, low_plan, high_grads, low_grads = flat[4 * k : 4 * k + 4]
         if high_plan != -low_plan:
             # Every member saw the same verdict, so all of them join this gather: a second
             # collective on the failure path only, to name what differs.
@@ -396,6 +454,8 @@ def check_agreement(
             )
     if errors:
         raise ValueError(errors[0])
+    if anywhere:
+        raise ValueError(ELSEWHERE)
 
 
 def check_plan_agreement(
@@ -407,7 +467,8 @@ def check_plan_agreement(
     compare_grads: bool = True,
 ) -> None:
     """:func:`check_agreement` over every group a plan (``planning.plan.Plan``) uses."""
+    rounds = spread_rounds(p for group in param_groups for p in group["params"])
     check_agreement(
         agreement_groups(plan.batches), plan.batches, plan.params, plan.group_of,
-        param_groups, settings, device, ops, compare_grads=compare_grads,
+        param_groups, settings, device, ops, compare_grads=compare_grads, rounds=rounds,
     )  # fmt: skip

@@ -102,12 +102,15 @@ _STEP_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 def step_process_groups(mine: set[tuple[int, ...]]) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """The overlapped step's own process group for each of ``mine`` (sorted global ranks).
 
-    A collective over the world, at every overlapped step whose plan is new: each rank's
-    groups are gathered (one ``all_gather_object``) and those not made yet are made by every
-    rank in sorted order, as ``new_group`` asks; made once per process, shared by every
-    overlapped optimizer (one overlapped step is in flight at a time: ``Muon.step`` waits
-    for every other first)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    A collective over the world, at the first overlapped step of a plan that communicates:
+    each rank's groups are gathered (one ``all_gather_object``) and those not made yet are
+    made by every rank in sorted order, as ``new_group`` asks; made once per process, shared
+    by every overlapped optimizer (one overlapped step is in flight at a time: ``Muon.step``
+    waits for every other first). Every rank of the world must then take its first step of
+    such a plan together; a plan that talks to no other rank asks nothing."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not mine:
+        # A plan that talks to no other rank makes no group, and asks no one (an optimizer
+        # of this rank's own parameters, which its peers may not have).
         return {}
     gathered: list[list[tuple[int, ...]]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, sorted(mine))
@@ -318,10 +321,12 @@ class ReadMap:
     - Any other module reads its own parameters (``recurse=False``) and may read a child's
       without running the child's forward (``nn.MultiheadAttention`` reads
       ``out_proj.weight``; a parent applies a child's weight functionally, an unused
-      expert): it also reads those of every descendant not yet seen to run a forward of
-      its own. Every module of ``model`` outside FSDP2 units whose subtree holds
-      parameters is hooked, so the first forward waits for everything below the first
-      module that runs, and each later one only for what no module of its own covers.
+      expert): it also reads those of every descendant not seen to run a forward of its
+      own in every whole forward of ``model`` so far. Every module of ``model`` outside
+      FSDP2 units whose subtree holds parameters is hooked, so the first forward waits for
+      everything below the first module that runs, and each later one only for what no
+      module of its own covers. Not covered: a module reading a child's parameter before
+      that child's own forward in the same pass (a child that runs in every forward).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -362,14 +367,32 @@ class ReadMap:
             id(m): [c for c in m.children() if id(c) in hooked and id(c) not in unit_ids]
             for m in self.modules
         }
-        self.ran: set[int] = set(unit_ids)  # an FSDP2 module covers its own unit
+        self.root = model
+        # Trusted to cover their own parameters: FSDP2 modules, and the modules seen to run
+        # in every whole forward of ``model`` so far (none before the first has ended).
+        self.ran: set[int] = set(unit_ids)
+        self._every_pass: set[int] | None = None
+        self._this_pass: set[int] = set()
         self._reads: dict[int, list[int]] = {}
 
+    def begin_pass(self) -> None:
+        """``model``'s own forward begins: the pass before it has ended. A module that did not
+        run in it is not trusted again (its parent may read its weights when it is skipped:
+        a branch taken on some forwards only)."""
+        if self._this_pass:
+            done = self._this_pass
+            self._every_pass = done if self._every_pass is None else self._every_pass & done
+            ran = self.units | self._every_pass
+            if ran != self.ran:
+                self.ran = ran
+                self._reads.clear()
+        self._this_pass = set()
+
     def saw_run(self, module: torch.nn.Module) -> None:
-        """``module``'s forward runs: from now on it covers its own parameters."""
-        if id(module) not in self.ran:
-            self.ran.add(id(module))
-            self._reads.clear()
+        """``module``'s forward runs (it counts towards the pass under way)."""
+        if module is self.root:
+            self.begin_pass()
+        self._this_pass.add(id(module))
 
     def reads(self, module: torch.nn.Module) -> list[int]:
         """The ``id`` of every parameter ``module``'s forward may read (see the class)."""
@@ -396,10 +419,12 @@ class _Hook:
     optimizer's."""
 
     def __init__(self, fn: Callable) -> None:
-        self._fn = fn
+        # Never traced by torch.compile (a graph break): traced, its wait would be baked in
+        # as it stood at compile time (nothing pending: no wait).
+        self._fn = torch.compiler.disable(fn)
 
-    def __call__(self, *args):
-        return self._fn(*args)
+    def __call__(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
 
     def __deepcopy__(self, memo) -> _InertHook:
         return _InertHook()
@@ -449,6 +474,53 @@ class _GuardHandle:
             module.__dict__.pop(self._name, None)
 
 
+def _let_compiled_code_see_hooks() -> None:
+    """``torch.compile`` does not guard on module hooks by default: code traced before the
+    hooks existed (a warm-up forward, another model of the same classes) would run without
+    them. Turn those guards on (once per process) and drop what was compiled without them."""
+    import torch._dynamo
+
+    if torch._dynamo.config.skip_nnmodule_hook_guards:
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        torch._dynamo.reset()
+
+
+# FSDP2 modules whose explicit ``unshard()`` waits first, and what it waits for.
+_UNSHARD_WAITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _UnshardHandle:
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = weakref.ref(module)
+
+    def remove(self) -> None:
+        module = self._module()
+        if module is not None:
+            _UNSHARD_WAITS.pop(module, None)
+
+
+def _wait_before_unshard(module: torch.nn.Module, wait: Callable[[], None]) -> _UnshardHandle:
+    """Make ``module.unshard()`` call ``wait()`` first. ``FSDPModule.unshard`` is wrapped once
+    per process; a module not registered here (a copy, another model) unshards as before,
+    and FSDP2's own all-gather in the forward does not go through it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    original = FSDPModule.unshard
+    if not getattr(original, "_shardmuon_waits", False):
+
+        @functools.wraps(original)
+        def unshard(self, *args, **kwargs):
+            waits = _UNSHARD_WAITS.get(self)
+            if waits is not None:
+                waits()
+            return original(self, *args, **kwargs)
+
+        unshard._shardmuon_waits = True
+        FSDPModule.unshard = unshard
+    _UNSHARD_WAITS[module] = wait
+    return _UnshardHandle(module)
+
+
 def _guard_first(module: torch.nn.Module, name: str, guard: _CopyGuard) -> _GuardHandle:
     """Put ``guard`` first in ``module.__dict__`` (the order copies and pickles visit)."""
     entries = [(k, v) for k, v in module.__dict__.items() if k != name]
@@ -465,6 +537,8 @@ class ForwardOverlap:
     def __init__(self) -> None:
         self.pending: OverlappedStep | None = None
         self._chunks: tuple[int, dict[int, set[ChunkKey]]] = (0, {})
+        self._step_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.failed: OverlapError | None = None
         self._stats = None  # the pending step's StepStats (its wait time goes there)
         self._hooked = self._warned = False
 
@@ -486,10 +560,11 @@ class ForwardOverlap:
         # in place too, as soon as step() returns: tensor values are copied) and the grads
         # by value (a loop may zero them in place: model.zero_grad(set_to_none=False)).
         ctx.param_groups = [snapshot_group(group) for group in ctx.param_groups]
-        ctx.step_groups = step_process_groups(step_groups_of(plan.batches))
-        ctx.grads = snapshot_grads(p for g in ctx.param_groups for p in g["params"])
-        if self._chunks[0] != id(plan):
+        if self._chunks[0] != id(plan):  # a new plan: its chunks, and its step groups made
+            self._step_groups = step_process_groups(step_groups_of(plan.batches))
             self._chunks = (id(plan), chunks_of_params(plan, ctx.param_groups))
+        ctx.step_groups = self._step_groups
+        ctx.grads = snapshot_grads(p for g in ctx.param_groups for p in g["params"])
         stats = ctx.stats
 
         def work(done: Callable[[ChunkKey], None]) -> None:
@@ -501,31 +576,53 @@ class ForwardOverlap:
         self._stats = stats
 
     def synchronize(self) -> None:
-        """Wait for the step in flight, if any; raise :class:`OverlapError` if it failed."""
+        """Wait for the step in flight, if any; raise :class:`OverlapError` if it failed, or
+        if an earlier step failed and no restore (:meth:`discard`) came since."""
+        if self.failed is not None:
+            raise OverlapError(
+                f"an overlapped optimizer step failed ({self.failed.__cause__!r}) and its "
+                "updates are half applied: restore a checkpoint (the optimizer's "
+                "load_state_dict) before stepping or saving again"
+            ) from self.failed
         pending = self.pending
         if pending is None:
             return
         try:
             with self._timed():
                 pending.wait_all()
-        except OverlapError:
-            self.pending = None  # raised once; a restore (load_state_dict) follows
+        except OverlapError as err:
+            self.pending = None
+            self.failed = err  # raised again by every later wait until a restore
             raise
         self.pending = None  # kept through an interrupted wait (Ctrl-C): waited for again
 
     def discard(self) -> None:
         """Wait for the step in flight, if any, and forget its failure (a restore follows)."""
+        self.failed = None
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.discard()
 
     def wait_for_params(self, ids: Iterable[int], *_hook_args) -> None:
-        """Wait for the chunks holding the parameters ``ids``."""
+        """Wait for the chunks holding the parameters ``ids`` (a failure is kept: every
+        later wait raises it until a restore)."""
         pending = self.pending
         if pending is not None:
             chunks = self._chunks[1]
-            with self._timed():
-                pending.wait_for(key for i in ids for key in chunks.get(i, ()))
+            try:
+                with self._timed():
+                    pending.wait_for(key for i in ids for key in chunks.get(i, ()))
+            except OverlapError as err:
+                self.pending = None
+                pending.discard()
+                self.failed = err
+                raise
+
+    def before_unshard(self, reads: ReadMap, module: torch.nn.Module) -> None:
+        """Before an explicit ``FSDPModule.unshard()`` (a pipeline schedule's prefetch): its
+        all-gather reads what the module's forward would (:meth:`before_forward`)."""
+        if self.pending is not None:
+            self.wait_for_params(reads.reads(module))
 
     def before_forward(self, reads: ReadMap, module: torch.nn.Module, *_hook_args) -> None:
         """A forward pre-hook: wait for what ``module``'s forward may read (:class:`ReadMap`)."""
@@ -562,11 +659,15 @@ class ForwardOverlap:
         guard that makes a copy of the module wait for it (:class:`_CopyGuard`)."""
         handles: list = []
         self._hooked = True
+        _let_compiled_code_see_hooks()
         reads = ReadMap(model)
         guard, name = _CopyGuard(self), f"_shardmuon_overlap_{id(self)}"
         for module in reads.modules:
             wait = _Hook(functools.partial(self.before_forward, reads, module))
             handles.append(module.register_forward_pre_hook(wait, prepend=True))
+            if id(module) in reads.units:
+                wait = functools.partial(self.before_unshard, reads, module)
+                handles.append(_wait_before_unshard(module, wait))
         for module in {id(m): m for m in (model, *reads.modules)}.values():
             handles.append(module.register_state_dict_pre_hook(_Hook(self.before_state_dict)))
             handles.append(
