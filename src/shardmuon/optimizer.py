@@ -40,7 +40,6 @@ from shardmuon.runtime.agreement import (
     check_live_agreement,
     check_plan_agreement,
     live_settings,
-    spread_rounds,
 )
 from shardmuon.runtime.calibration import calibrate_plan, read_auto_record, with_auto_record
 from shardmuon.runtime.exchange import warmup_groups
@@ -214,7 +213,9 @@ class Muon(Optimizer):
         self._plan_verified = False
         # The groups of the last plan every rank agreed on: each step's live check runs there.
         self._agreed_groups: list = []
-        self._agreed_rounds = 0
+        self._agreed_rounds: list[int] = []
+        self._agreed_plan: Plan | None = None
+        self._agreed_key: tuple | None = None
         self._auto_choices: dict[tuple[int, int], str] | None = None
         self._schedule = ScheduleCache()
         self._rounds = ChunkRounds()
@@ -468,7 +469,8 @@ class Muon(Optimizer):
             self._calibrate_auto()
             self._plan_verified = True
             self._agreed_groups = agreement_groups(self._plan.batches)
-            self._agreed_rounds = spread_rounds(p for g in self.param_groups for p in g["params"])
+            self._agreed_plan, self._agreed_key = self._plan, self._plan_key
+
         advance_step_counters(self.param_groups, self.state, self._counted_steps)
         self._last_stats = StepStats()
         return schedule
@@ -490,8 +492,17 @@ class Muon(Optimizer):
             settings["newton_schulz_dtype"] = str(resolve_ns_dtype(self.newton_schulz_dtype))
         with contextlib.suppress(TypeError, ValueError):  # a preset's name is its triples
             settings["coefficients"] = resolve_coefficients(self.coefficients)
-        entries = live_settings(settings, self.param_groups)
-        check_live_agreement(self._agreed_groups, entries, self._device(), self._agreed_rounds)
+        try:  # as the step will plan (a preset's name resolved first)
+            self._check_options()
+            rebuilt: object = plan_key(self.param_groups, *self._plan_arguments()) != (
+                self._agreed_key
+            )
+        except Exception as err:  # an invalid setting: every rank refuses it, after this
+            rebuilt = f"cannot plan: {type(err).__name__}"
+        live = live_settings(settings, self.param_groups, rebuilt)
+        check_live_agreement(
+            self._agreed_groups, self._agreed_plan, live, self._device(), self._agreed_rounds
+        )
 
     def _check_agreement(self) -> None:
         """Every group's ranks agree on batches, settings and grads (see ``runtime/agreement.py``)."""
@@ -500,7 +511,9 @@ class Muon(Optimizer):
         settings["newton_schulz_dtype"] = str(ns.dtype)
         compare_grads = self.check_grads != "never"
         ops, device = self._step_schedule(), self._device()
-        check_plan_agreement(self._plan, self.param_groups, settings, device, ops, compare_grads)
+        self._agreed_rounds = check_plan_agreement(
+            self._plan, self.param_groups, settings, device, ops, compare_grads
+        )
 
     @torch.no_grad()
     def orthogonalize_chunk(

@@ -414,7 +414,8 @@ def test_a_failed_step_keeps_failing_until_a_restore(monkeypatch):
     monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", mark)
     with pytest.raises(OverlapError, match="injected failure"):
         model(torch.ones(1, 8))
-    for again in (opt.synchronize, opt.state_dict, model.state_dict, opt.step):
+    forward = lambda: model(torch.ones(1, 8))  # noqa: E731
+    for again in (opt.synchronize, opt.state_dict, model.state_dict, opt.step, forward):
         with pytest.raises(OverlapError, match="restore a checkpoint"):
             again()
     model.load_state_dict(saved_model)
@@ -423,3 +424,26 @@ def test_a_failed_step_keeps_failing_until_a_restore(monkeypatch):
     _backward(model, 2)
     opt.step()
     opt.synchronize()
+
+
+def test_the_schedule_cache_holds_its_plan_not_its_id(monkeypatch):
+    """A plan rebuilt at the address of a freed one (``add_param_group``, a planned setting
+    changed) gets its own schedule: the cache compares plans, not their ``id()``."""
+    import shardmuon.planning.workspace as workspace
+
+    monkeypatch.setattr(workspace, "step_schedule", lambda batches, *_: [("prepare", len(batches))])
+
+    class Plan:
+        def __init__(self, batches: int) -> None:
+            self.batches, self.ns_cost = [None] * batches, None
+
+    cache = workspace.ScheduleCache()
+    plan = Plan(1)
+    assert cache.get(plan, 100, 1) == [("prepare", 1)]
+    freed = id(plan)
+    del plan
+    for _ in range(10_000):  # CPython hands a freed address out again within a few tries
+        plan = Plan(2)
+        if id(plan) == freed:
+            break
+    assert cache.get(plan, 100, 1) == [("prepare", 2)]

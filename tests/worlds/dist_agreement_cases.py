@@ -191,7 +191,7 @@ def _grad_later(ctx: Context) -> None:
 
 @case("check_cost_one_all_reduce_per_group_then_two_elements")
 def _check_cost(ctx: Context) -> None:
-    """First step: one 4-element all-reduce per group (the full check); later steps (default):
+    """First step: one 5-element all-reduce per group (the full check); later steps (default):
     one 2-element all-reduce per group (the live settings' digest)."""
     specs = [Spec((8, 6), (S0,)), Spec((10, 6), (S0,))]
     params, opt = _build(ctx, specs)
@@ -201,8 +201,8 @@ def _check_cost(ctx: Context) -> None:
     with counting_all_reduce() as second:
         opt.step()
     problems = []
-    if first != [4]:
-        problems.append(f"first step all-reduces {first}, expected one of 4 elements")
+    if first != [5]:
+        problems.append(f"first step all-reduces {first}, expected one of 5 elements")
     if second != [2]:
         problems.append(f"second step all-reduces {second}, expected one of 2 elements")
     fail_on(problems)
@@ -341,7 +341,7 @@ def _same_values(ctx: Context) -> None:
     opt.step()
     reference.step()
     if _last(ctx):
-        opt.param_groups[0]["weight_decay"] = 0
+        opt.param_groups[0]["weight_decay"] = -0.0
         opt.param_groups[0]["lr"] = np.float64(0.02)
         opt.coefficients = "dion"
     for _ in range(2):
@@ -360,6 +360,45 @@ def _same_values(ctx: Context) -> None:
     ]
     if differ:
         problems.append(f"params {differ} differ from the reference")
+    fail_on(problems)
+
+
+@case("stages_holding_other_kinds_of_group_step_together", (4,))
+def _stages(ctx: Context) -> None:
+    """Every rank holds Q on the world mesh; ranks 0-1 also hold a sharded and a replicated
+    parameter on mesh [0, 1], ranks 2-3 a sharded one on [2, 3]: their own counts of how
+    often to pass a verdict on differ, the world group agrees on one. Three steps, Q bitwise
+    one process (before, every rank waited in the check until the timeout)."""
+    from torch.distributed.tensor import Replicate
+
+    world = DeviceMesh("cpu", torch.arange(4))
+    first, second = DeviceMesh("cpu", torch.tensor([0, 1])), DeviceMesh("cpu", torch.tensor([2, 3]))
+    gen = torch.Generator().manual_seed(0)
+    q_full, p_full, r_full = (torch.randn(8, 8, generator=gen) for _ in range(3))
+    q = nn.Parameter(distribute_tensor(q_full, world, [S0]))
+    if ctx.rank < 2:
+        mine = [
+            nn.Parameter(distribute_tensor(p_full, first, [S0])),
+            nn.Parameter(distribute_tensor(p_full[:6], first, [Replicate()])),
+        ]
+    else:
+        mine = [nn.Parameter(distribute_tensor(r_full, second, [S0]))]
+    opt = Muon([q, *mine], lr=0.02, newton_schulz_impl="per-matrix")
+    reference = nn.Parameter(q_full.clone())
+    reference_opt = Muon([reference], lr=0.02, newton_schulz_impl="per-matrix")
+    problems = []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(10 + step)
+        grad = torch.randn(8, 8, generator=gen)
+        q.grad, reference.grad = distribute_tensor(grad, world, [S0]), grad.clone()
+        for p in mine:
+            p.grad = distribute_tensor(
+                torch.randn(p.shape, generator=gen), p.device_mesh, p.placements
+            )
+        opt.step()
+        reference_opt.step()
+        if not torch.equal(full(q), reference.detach()):
+            problems.append(f"step {step + 1}: Q differs from one process")
     fail_on(problems)
 
 

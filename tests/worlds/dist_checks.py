@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardmuon import Muon
 from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.placements import local_tensor
+from shardmuon.runtime.agreement import spread_rounds
 
 ALL_WORLDS = (1, 2, 3, 4)
 MULTI_RANK = (2, 3, 4)
@@ -265,23 +266,31 @@ def agreement_groups_of(params: list[torch.Tensor], flatten: bool) -> set[tuple[
 
 
 def check_step_collectives(
-    calls: list[Collective], agreement_groups: int, first_step: bool, label: str
+    calls: list[Collective], agreement_groups: int, first_step: bool, label: str, rounds: int = 0
 ) -> list[str]:
-    """Only all-to-alls, plus one int64 all-reduce per group: the full check's 4 elements on
-    the first step, the live settings' 2 elements on every later one."""
+    """Only all-to-alls, plus one int64 all-reduce per group: the full check's 5 elements on
+    the first step, the live settings' 2 on every later one; and ``rounds`` 1-element ones
+    per group where the verdict is passed on (``agreement.spread_rounds``)."""
     problems = []
     reduces = [c for c in calls if c.op == "c10d.allreduce_"]
     others = [c for c in calls if c.op not in ("c10d.allreduce_", "c10d.alltoall_base_")]
     if others:
         problems.append(f"{label}: collectives other than all-to-alls and the check: {others}")
-    numel = 4 if first_step else 2
-    if len(reduces) != agreement_groups or any(
-        c.numel != numel or c.dtype != torch.int64 for c in reduces
+    numel = 5 if first_step else 2
+    checks = [c for c in reduces if c.numel != 1]
+    spreads = [c for c in reduces if c.numel == 1]
+    if len(checks) != agreement_groups or any(
+        c.numel != numel or c.dtype != torch.int64 for c in checks
     ):
         problems.append(
             f"{label}: all-reduces {reduces}, expected {agreement_groups} of {numel} int64 "
-            "elements (the agreement check: one per group, 4 elements on the first step, the "
+            "elements (the agreement check: one per group, 5 elements on the first step, the "
             "live settings' 2 later)"
+        )
+    if len(spreads) != agreement_groups * rounds or any(c.dtype != torch.int64 for c in spreads):
+        problems.append(
+            f"{label}: {len(spreads)} 1-element all-reduces, expected {agreement_groups} "
+            f"groups x {rounds} rounds"
         )
     return problems
 
@@ -625,7 +634,8 @@ def compare_with_single(
         label = f"step {step + 1}"
         if check_collectives:
             groups = len(agreement_groups_of(muon_params(opt), flatten))
-            problems += check_step_collectives(collectives, groups, step == 0, label)
+            rounds = spread_rounds(muon_params(opt))
+            problems += check_step_collectives(collectives, groups, step == 0, label, rounds)
         if not check_traffic:
             continue
         problems += check_step_traffic(ctx, opt, calls, flatten, label, tally)

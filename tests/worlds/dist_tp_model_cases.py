@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from shardmuon import Muon
 from shardmuon.planning.placements import local_tensor
+from shardmuon.runtime.agreement import spread_rounds
 
 CASES, TRAFFIC_CASES, case = tp_registry()
 
@@ -170,7 +171,8 @@ def check_tp_model(
         label = f"{name} step {step + 1}"
         problems += check_step_traffic(ctx, opt, calls, False, label, tally)
         problems += check_orthogonalized(ctx, opt, False, label)
-        problems += check_step_collectives(collectives, agreement, step == 0, label)
+        rounds = spread_rounds(muon_params(opt))
+        problems += check_step_collectives(collectives, agreement, step == 0, label, rounds)
     for n in names:
         p, r = named[n], ref_named[n]
         pairs = [("param", p, r)]

@@ -325,6 +325,7 @@ class ScheduleCache:
 
     def __init__(self) -> None:
         self._source: tuple | None = None
+        self._plan = None  # held, not only its id(): a new plan may reuse a freed one's
         self._ops: list[tuple[str, int]] = []
 
     def get(
@@ -332,13 +333,13 @@ class ScheduleCache:
     ) -> list[tuple[str, int]]:
         """The schedule of ``plan``'s batches taken in ``order`` (a permutation of their
         indices; ``None``: as planned), in the plan's batch indices."""
-        source = (id(plan), budget, max_in_flight, None if order is None else tuple(order))
-        if source != self._source:
+        source = (budget, max_in_flight, None if order is None else tuple(order))
+        if plan is not self._plan or source != self._source:
             if order is None:
                 self._ops = step_schedule(plan.batches, budget, max_in_flight, plan.ns_cost)
             else:
                 self._ops = forward_schedule(
                     plan.batches, order, budget, max_in_flight, plan.ns_cost
                 )
-            self._source = source
+            self._source, self._plan = source, plan
         return self._ops

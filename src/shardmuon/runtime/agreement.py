@@ -8,14 +8,16 @@ parameters. When they do not, all-to-alls pair up the wrong pieces (a silently w
 update), or sizes differ and the collective aborts or hangs.
 
 The check describes, for each group, everything that must agree as seen from this rank,
-hashes it (SHA-256, 63 bits) and reduces ``[h, -h, g, -g]`` with MAX over the group (``g``:
-a hash of which parameters have grads): every rank then holds the group's max and min of
+hashes it (SHA-256, 63 bits) and reduces ``[h, -h, g, -g, r]`` with MAX over the group
+(``g``: a hash of which parameters have grads; ``r``: how often this rank would pass a
+mismatch on, the group keeping its members' largest): every rank then holds the group's max and min of
 each hash, so all of them see the same verdict and raise the same error. Exact: a mismatch
 cannot cancel out as in a sum. A rank that shares no group with the ranks that differ
 (HSDP's 2x2 mesh: ranks 0 and 3) must stop too, or it waits in an all-to-all for a peer that
-raised: the verdict is passed on over every group once per further mesh dim
-(:func:`spread_rounds`; a 1-element MAX all-reduce per group and round, none on a 1-D mesh),
-and such a rank raises saying that others found a difference.
+raised: the verdict is passed on over every group once per further kind of group
+(:func:`spread_rounds`; a 1-element MAX all-reduce per group and round; none where one
+group kind covers the job: a 1-D mesh, FSDP over TP's flattened group), and such a rank
+raises saying that others found a difference.
 
 The groups are those of the shard dims (the all-to-alls) and of the replicate dims (where
 ``split_replicas`` broadcasts; where HSDP replicas must stay identical), visited in sorted
@@ -43,12 +45,12 @@ from __future__ import annotations
 
 import hashlib
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.groups import ShardGroup
@@ -60,6 +62,7 @@ __all__ = [
     "check_plan_agreement",
     "collective_order",
     "first_difference",
+    "live_description",
     "live_settings",
     "spread_rounds",
 ]
@@ -93,7 +96,7 @@ def _shard_group_seen_by_replicas(layout) -> tuple[int, int, int]:
 
 
 def _value(setting) -> object:
-    return setting.item() if isinstance(setting, Tensor) else setting
+    return _plain(setting)
 
 
 # One described item: a label (what it is, for the message) and its named fields.
@@ -155,6 +158,19 @@ def _batch_entry(batch: MuonBatch, position: int, as_shard: bool) -> Entry:
     )
 
 
+def batches_over(
+    ranks: tuple[int, ...], batches: Sequence[MuonBatch]
+) -> Iterator[tuple[MuonBatch, bool]]:
+    """The batches that group ``ranks`` exchanges (``True``: as their shard group) or
+    replicates (``False``), in plan order."""
+    for batch in batches:
+        layout = batch.layout
+        as_shard = layout.group is not None and layout.group.ranks == ranks
+        as_replica = layout.replicas is not None and layout.replicas.ranks == ranks
+        if as_shard or as_replica:
+            yield batch, as_shard
+
+
 def describe(
     ranks: tuple[int, ...],
     batches: Sequence[MuonBatch],
@@ -175,12 +191,7 @@ def describe(
     flags: list[bool] = []
     missing: list[tuple[int, ...]] = []
     position: dict[int, int] = {}  # batch index -> its position among the described ones
-    for batch in batches:
-        layout = batch.layout
-        as_shard = layout.group is not None and layout.group.ranks == ranks
-        as_replica = layout.replicas is not None and layout.replicas.ranks == ranks
-        if not (as_shard or as_replica):
-            continue
+    for batch, as_shard in batches_over(ranks, batches):
         position[batch.index] = len(position)
         described.append(_batch_entry(batch, position[batch.index], as_shard))
         for segment in batch.segments:
@@ -284,47 +295,92 @@ def _plain(value: object) -> object:
     a number is a float (``0``, ``0.0`` and ``numpy.float64(0)`` are one value; a bool
     stays a bool), a 1-element tensor its number, a larger one its shape."""
     if isinstance(value, Tensor):
-        return float(value.item()) if value.numel() == 1 else ("tensor", tuple(value.shape))
+        return _plain(value.item()) if value.numel() == 1 else ("tensor", tuple(value.shape))
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
+        return float(value) + 0.0  # -0.0 is 0.0
     if isinstance(value, (list, tuple)):
         return tuple(_plain(v) for v in value)
     return value
 
 
-def live_settings(settings: Mapping[str, object], param_groups: Sequence[dict]) -> list[Entry]:
-    """What every rank must hold alike at every step, as labelled entries: the number of
-    groups, ``settings`` (the optimizer's agreed settings, one spelling per value) and each
-    group's :data:`LIVE_GROUP_KEYS` with the count and global shapes of its DTensor
-    parameters (a plain tensor is this rank's own: its shape may differ between ranks)."""
-    entries: list[Entry] = [
-        ("the param groups", (("count", len(param_groups)),)),
-        _settings_entry({name: _plain(value) for name, value in settings.items()}),
+def live_settings(
+    settings: Mapping[str, object], param_groups: Sequence[dict], plan_rebuilt: object
+) -> tuple[list[Entry], list[tuple]]:
+    """What every rank reads at every step, before anything validates it: the entries all
+    groups compare (``settings``, the optimizer's agreed settings, one spelling per value;
+    each AdamW group's :data:`LIVE_GROUP_KEYS`, as the full check compares AdamW groups;
+    ``plan_rebuilt``: whether this rank's plan changed since the ranks last agreed, so that
+    a change on some ranks only is refused before one rank checks a new plan alone) and
+    each param group's :data:`LIVE_GROUP_KEYS` as named fields (read once: a tensor lr is
+    read once per group)."""
+    values = [
+        tuple((key, _plain(group.get(key, "(not set)"))) for key in LIVE_GROUP_KEYS)
+        for group in param_groups
     ]
-    for index, group in enumerate(param_groups):
-        params = group.get("params", ())
-        shapes = tuple(tuple(p.shape) for p in params if isinstance(p, DTensor))
-        fields = [(key, _plain(group.get(key, "(not set)"))) for key in LIVE_GROUP_KEYS]
-        fields.append(("DTensor parameters (count, shapes)", (len(shapes), hash(shapes))))
-        entries.append((f"param group {index}", tuple(fields)))
-    return entries
+    common: list[Entry] = [
+        _settings_entry({name: _plain(value) for name, value in settings.items()}),
+        *(
+            (f"AdamW param group {index}", values[index])
+            for index, group in enumerate(param_groups)
+            if group.get("algorithm") == "adamw"
+        ),
+        # Last: a setting that differs is named before the plan it rebuilt.
+        ("the plan", (("rebuilt since the last check", plan_rebuilt),)),
+    ]
+    return common, values
+
+
+def live_description(
+    ranks: tuple[int, ...],
+    batches: Sequence[MuonBatch],
+    group_of: Sequence[int],
+    common: Sequence[Entry],
+    values: Sequence[tuple],
+) -> list[Entry]:
+    """What the members of group ``ranks`` must hold alike at this step: ``common`` and the
+    live settings of each segment's param group, for the batches (of the plan the ranks
+    last agreed on) over this group, as :func:`describe` lists them; ``common``'s last
+    entry (whether the plan was rebuilt) last."""
+    described = list(common[:-1])
+    for position, (batch, _) in enumerate(batches_over(ranks, batches)):
+        for segment in batch.segments:
+            label = f"a parameter of batch {position}"
+            described.append((label, values[group_of[segment.param_index]]))
+    return [*described, common[-1]]
 
 
 def spread_rounds(params: Iterable[Tensor]) -> int:
     """How many times a failure found in one group must be passed on over every group so
-    that every rank of the job hears of it: the groups run along mesh dims, so two ranks of
-    a ``d``-dimensional mesh are at most ``d`` groups apart (HSDP's 2x2: rank 3 shares no
-    group with rank 0, yet would wait in its all-to-all for a peer that raised)."""
-    ndims = [p.device_mesh.ndim for p in params if isinstance(p, DTensor)]
-    return max(ndims, default=1) - 1
+    that every rank of the job hears of it (HSDP's 2x2: rank 3 shares no group with rank 0,
+    yet would wait in its all-to-all for a peer that raised). Two ranks are at most as many
+    groups apart as there are kinds of group: one per mesh and set of mesh dims a
+    parameter is split over (its exchange group; a split of batch dims counted with it, an
+    upper bound) and one per mesh dim it is replicated over. Read from the placements of
+    ``params`` (the Muon parameters): the same on every rank that planned alike."""
+    kinds = set()
+    for p in params:
+        if not isinstance(p, DTensor):
+            continue
+        mesh = p.device_mesh
+        where = (tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+        dims = [d for d in range(mesh.ndim) if mesh.size(d) > 1]
+        replicated = [d for d in dims if isinstance(p.placements[d], Replicate)]
+        split = frozenset(d for d in dims if d not in replicated)
+        if split:
+            kinds.add((where, "split", split))
+        kinds.update((where, "replicated", d) for d in replicated)
+    return max(len(kinds) - 1, 0)
 
 
-def _spread(found: Tensor, groups: Sequence[ShardGroup], rounds: int) -> Tensor:
+def _spread(found: Tensor, groups: Sequence[ShardGroup], rounds: Sequence[int]) -> Tensor:
     """``found`` (``[1]`` int64, 1 where this rank found a mismatch) reduced with MAX over
-    every group, ``rounds`` times: then 1 on every rank of the job if on any (no host sync)."""
-    for _ in range(rounds):
-        for group in groups:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group.process_group)
+    each group ``rounds[i]`` times (the group's agreed count: its members do the same number
+    of reductions on it), groups in order within each round: then 1 on every rank of the
+    job if on any (no host sync)."""
+    for r in range(max(rounds, default=0)):
+        for group, count in zip(groups, rounds):
+            if r < count:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group.process_group)
     return found
 
 
@@ -337,22 +393,29 @@ ELSEWHERE = (
 
 def check_live_agreement(
     groups: Sequence[ShardGroup],
-    entries: Sequence[Entry],
+    plan,
+    live: tuple[list[Entry], list[tuple]],
     device: torch.device,
-    rounds: int = 0,
+    rounds: Sequence[int] = (),
 ) -> None:
-    """Raise on every rank of the job when the ranks of a group hold different
-    :func:`live_settings`.
+    """Raise on every rank of the job when the ranks of a group hold different live
+    settings (:func:`live_settings`, described per group by :func:`live_description` over
+    ``plan``, the plan the ranks last agreed on).
 
-    One 2-element all-reduce (MAX of ``[h, -h]``) per group, the verdict passed on
-    ``rounds`` times over every group (:func:`spread_rounds`), then one host sync; a further
-    collective (naming what differs) only where the digests differ.
+    One 2-element all-reduce (MAX of ``[h, -h]``) per group, the verdict passed on over
+    group ``i`` ``rounds[i]`` times (agreed by :func:`check_agreement`), then one host sync;
+    a further collective (naming what differs) only where the digests differ.
     """
     if not groups:
         return
-    digest = _hash63(entries)
+    rounds = list(rounds) or [0] * len(groups)
+    common, values = live
+    described = [
+        live_description(g.ranks, plan.batches, plan.group_of, common, values) for g in groups
+    ]
     reduced = []
-    for group in groups:
+    for group, entries in zip(groups, described):
+        digest = _hash63(entries)
         local = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group.process_group)
         reduced.append(local)
@@ -361,11 +424,11 @@ def check_live_agreement(
     *flat, anywhere = torch.cat([stacked.flatten(), _spread(found, groups, rounds)]).tolist()
     verdicts = [flat[i : i + 2] for i in range(0, len(flat), 2)]
     errors = []
-    for group, (high, low) in zip(groups, verdicts):
+    for group, entries, (high, low) in zip(groups, described, verdicts):
         if high == -low:
             continue
         gathered: list = [None] * group.size
-        dist.all_gather_object(gathered, list(entries), group=group.process_group)
+        dist.all_gather_object(gathered, entries, group=group.process_group)
         errors.append(
             f"the ranks of process group {list(group.ranks)} disagree on the Muon step: "
             f"{first_difference(gathered, group.ranks)}. A setting changed on some ranks "
@@ -394,12 +457,13 @@ def check_agreement(
     ops: Sequence[tuple[str, int]] = (),
     compare_grads: bool = True,
     rounds: int = 0,
-) -> None:
+) -> list[int]:
     """Raise on every rank of the job when the ranks of a group disagree (see the module
     docstring). ``compare_grads=False`` (``check_grads="never"``): the grad flags are left
-    out. ``rounds``: how often a mismatch is passed on over every group
-    (:func:`spread_rounds`), so that ranks sharing no group with the one that differs stop
-    too.
+    out. ``rounds``: this rank's count of how often a mismatch must be passed on
+    (:func:`spread_rounds`); each group agrees on its members' largest (reduced with the
+    hashes), so that ranks sharing no group with the one that differs stop too. Returns
+    each group's agreed count, for :func:`check_live_agreement`.
 
     Every group's reduction runs before anything raises, so a rank that finds a mismatch in
     one group still joins its later groups and no peer is left waiting.
@@ -413,17 +477,23 @@ def check_agreement(
         plan_hash = _hash63(described)
         grads_hash = _hash63(flags if compare_grads else ())
         local = torch.tensor(
-            [plan_hash, -plan_hash, grads_hash, -grads_hash], dtype=torch.int64, device=device
+            [plan_hash, -plan_hash, grads_hash, -grads_hash, rounds],
+            dtype=torch.int64,
+            device=device,
         )
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group.process_group)
         reduced.append((group, described, missing, local))
     if not reduced:
-        return
-    stacked = torch.stack([local for *_, local in reduced])
-    found = (stacked[:, [0, 2]] != -stacked[:, [1, 3]]).any().to(torch.int64).reshape(1)
-    *flat, anywhere = torch.cat([stacked.flatten(), _spread(found, groups, rounds)]).tolist()
-    for k, (group, described, missing, _) in enumerate(reduced):
-        high_plan, low_plan, high_grads, low_grads = flat[4 * k : 4 * k + 4]
+        return []
+    rows = torch.stack([local for *_, local in reduced]).tolist()
+    agreed = [row[4] for row in rows]
+    found = any(row[0] != -row[1] or row[2] != -row[3] for row in rows)
+    anywhere = found
+    if max(agreed) > 0:
+        flag = torch.tensor([int(found)], dtype=torch.int64, device=device)
+        anywhere = bool(_spread(flag, groups, agreed).item())
+    for (group, described, missing, _), row in zip(reduced, rows):
+        high_plan, low_plan, high_grads, low_grads = row[:4]
         if high_plan != -low_plan:
             # Every member saw the same verdict, so all of them join this gather: a second
             # collective on the failure path only, to name what differs.
@@ -456,6 +526,7 @@ def check_agreement(
         raise ValueError(errors[0])
     if anywhere:
         raise ValueError(ELSEWHERE)
+    return agreed
 
 
 def check_plan_agreement(
@@ -465,10 +536,11 @@ def check_plan_agreement(
     device: torch.device,
     ops: Sequence[tuple[str, int]],
     compare_grads: bool = True,
-) -> None:
-    """:func:`check_agreement` over every group a plan (``planning.plan.Plan``) uses."""
-    rounds = spread_rounds(p for group in param_groups for p in group["params"])
-    check_agreement(
+) -> list[int]:
+    """:func:`check_agreement` over every group a plan (``planning.plan.Plan``) uses, in
+    the order of :func:`agreement_groups`; returns each group's agreed spread count."""
+    rounds = spread_rounds(plan.params)
+    return check_agreement(
         agreement_groups(plan.batches), plan.batches, plan.params, plan.group_of,
         param_groups, settings, device, ops, compare_grads=compare_grads, rounds=rounds,
     )  # fmt: skip

@@ -536,7 +536,9 @@ class ForwardOverlap:
 
     def __init__(self) -> None:
         self.pending: OverlappedStep | None = None
-        self._chunks: tuple[int, dict[int, set[ChunkKey]]] = (0, {})
+        # The plan the chunk map and step groups were made for (held: a new plan may reuse a
+        # freed one's id()).
+        self._chunks: tuple[object, dict[int, set[ChunkKey]]] = (None, {})
         self._step_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self.failed: OverlapError | None = None
         self._stats = None  # the pending step's StepStats (its wait time goes there)
@@ -560,9 +562,9 @@ class ForwardOverlap:
         # in place too, as soon as step() returns: tensor values are copied) and the grads
         # by value (a loop may zero them in place: model.zero_grad(set_to_none=False)).
         ctx.param_groups = [snapshot_group(group) for group in ctx.param_groups]
-        if self._chunks[0] != id(plan):  # a new plan: its chunks, and its step groups made
+        if self._chunks[0] is not plan:  # a new plan: its chunks, and its step groups made
             self._step_groups = step_process_groups(step_groups_of(plan.batches))
-            self._chunks = (id(plan), chunks_of_params(plan, ctx.param_groups))
+            self._chunks = (plan, chunks_of_params(plan, ctx.param_groups))
         ctx.step_groups = self._step_groups
         ctx.grads = snapshot_grads(p for g in ctx.param_groups for p in g["params"])
         stats = ctx.stats
@@ -578,12 +580,7 @@ class ForwardOverlap:
     def synchronize(self) -> None:
         """Wait for the step in flight, if any; raise :class:`OverlapError` if it failed, or
         if an earlier step failed and no restore (:meth:`discard`) came since."""
-        if self.failed is not None:
-            raise OverlapError(
-                f"an overlapped optimizer step failed ({self.failed.__cause__!r}) and its "
-                "updates are half applied: restore a checkpoint (the optimizer's "
-                "load_state_dict) before stepping or saving again"
-            ) from self.failed
+        self.raise_if_failed()
         pending = self.pending
         if pending is None:
             return
@@ -596,6 +593,15 @@ class ForwardOverlap:
             raise
         self.pending = None  # kept through an interrupted wait (Ctrl-C): waited for again
 
+    def raise_if_failed(self) -> None:
+        """Raise while an earlier step's failure was raised and no restore came since."""
+        if self.failed is not None:
+            raise OverlapError(
+                f"an overlapped optimizer step failed ({self.failed.__cause__!r}) and its "
+                "updates are half applied: restore a checkpoint (the optimizer's "
+                "load_state_dict) before running, stepping or saving again"
+            ) from self.failed
+
     def discard(self) -> None:
         """Wait for the step in flight, if any, and forget its failure (a restore follows)."""
         self.failed = None
@@ -606,6 +612,7 @@ class ForwardOverlap:
     def wait_for_params(self, ids: Iterable[int], *_hook_args) -> None:
         """Wait for the chunks holding the parameters ``ids`` (a failure is kept: every
         later wait raises it until a restore)."""
+        self.raise_if_failed()
         pending = self.pending
         if pending is not None:
             chunks = self._chunks[1]
@@ -627,6 +634,7 @@ class ForwardOverlap:
     def before_forward(self, reads: ReadMap, module: torch.nn.Module, *_hook_args) -> None:
         """A forward pre-hook: wait for what ``module``'s forward may read (:class:`ReadMap`)."""
         reads.saw_run(module)
+        self.raise_if_failed()
         if self.pending is not None:
             self.wait_for_params(reads.reads(module))
 
