@@ -572,6 +572,8 @@ class Muon(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         """torch keeps defaults, state and groups; the optimizer-wide settings come too."""
         self.synchronize()
+        if self._state_stager is not None:  # offload: the host state as its stores left it
+            self._state_stager.wait_host()
         adopt_loaded_counts(self.param_groups, self.state, self._counted_steps)
         return with_settings(super().__getstate__(), self._settings(), COPIED_PRIVATE, self)
 

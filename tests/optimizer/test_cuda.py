@@ -149,3 +149,88 @@ def test_the_overlapped_step_on_cuda_is_bitwise_the_sequential_one() -> None:
         weights.append([p.detach().cpu() for p in model.parameters()])
     assert losses[0] == losses[1]
     assert all(torch.equal(a, b) for a, b in zip(*weights))
+
+
+def _overlapped_pair(device: str):
+    from torch import nn
+
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(*(nn.Linear(256, 256, bias=False) for _ in range(4))).to(device)  # noqa: E731
+    model, reference_model = make(), make()
+    reference_model.load_state_dict(model.state_dict())
+    opt = Muon(model.parameters(), lr=0.02, overlap="forward")
+    reference = Muon(reference_model.parameters(), lr=0.02)
+    opt.overlap_with(model)
+    return model, opt, reference_model, reference
+
+
+def test_the_overlapped_step_with_a_slow_worker_stream_is_bitwise_the_sequential(monkeypatch):
+    """``torch.cuda._sleep`` on the worker's stream before each chunk is marked: the next
+    forward's kernels must wait on the events (a host-side wait alone would not order the
+    streams), so the outputs and weights are bitwise the sequential run's on this GPU."""
+    import shardmuon.runtime.overlap as overlap_module
+
+    mark = overlap_module.OverlappedStep._mark
+
+    def slow(self, key):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time on the worker's stream
+        mark(self, key)
+
+    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", slow)
+    model, opt, reference_model, reference = _overlapped_pair("cuda")
+    x = torch.randn(8, 256, device="cuda")
+    outs = {}
+    for m, o in ((reference_model, reference), (model, opt)):
+        for _ in range(5):
+            out = m(x)
+            outs.setdefault(id(m), []).append(out.detach().clone())
+            out.square().mean().backward()
+            o.step()
+            m.zero_grad(set_to_none=False)  # in place, right after step(): the copy holds
+    opt.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(outs[id(model)], outs[id(reference_model)]))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference_model.parameters()))
+
+
+def test_overlapped_steps_reuse_one_worker_stream_and_hold_memory_flat():
+    """One worker stream per device (the allocator caches freed blocks per stream): the
+    memory reserved after 40 overlapped steps is what it was after 5."""
+    model, opt, _, _ = _overlapped_pair("cuda")
+    x = torch.randn(8, 256, device="cuda")
+    reserved = []
+    for step in range(40):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step in (4, 39):
+            opt.synchronize()
+            torch.cuda.synchronize()
+            reserved.append(torch.cuda.memory_reserved())
+    assert reserved[1] <= reserved[0], reserved
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_the_worker_runs_on_the_parameters_device():
+    """Parameters on cuda:1: the worker thread sets its device (a new thread's is 0), so its
+    stream and events are on cuda:1 and no context is made on cuda:0 by the step."""
+    import shardmuon.runtime.overlap as overlap_module
+
+    seen = []
+    run = overlap_module.OverlappedStep._run
+
+    def record(self, work, device):
+        def wrapped(done):
+            seen.append(torch.cuda.current_device())
+            return work(done)
+
+        return run(self, wrapped, device)
+
+    overlap_module.OverlappedStep._run = record
+    try:
+        model, opt, _, _ = _overlapped_pair("cuda:1")
+        model(torch.ones(2, 256, device="cuda:1")).sum().backward()
+        opt.step()
+        opt.synchronize()
+    finally:
+        overlap_module.OverlappedStep._run = run
+    assert seen == [1]

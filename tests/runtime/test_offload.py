@@ -188,3 +188,37 @@ WORLDS = WorldPlan("dist_offload_cases:CASES", lambda _: list(dist_offload_cases
 @pytest.mark.parametrize("name", list(dist_offload_cases.CASES))
 def test_distributed(worlds, name) -> None:
     worlds[2].check(name)
+
+
+def test_a_new_stager_waits_for_the_old_ones_stores(monkeypatch):
+    """Changing ``offload_prefetch`` (or the device) makes a new stager; its loads read host
+    memory the old one may still be writing back (CUDA: its own store stream), so the old
+    one's stores land first. Then the steps go on bitwise."""
+    import copy
+
+    from shardmuon.runtime import offload
+
+    waited = []
+    original = offload.StateStager.wait_host
+    monkeypatch.setattr(
+        offload.StateStager, "wait_host", lambda self: (waited.append(self), original(self))
+    )
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(12, 8)), torch.nn.Parameter(torch.randn(6, 10))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = Muon(params, lr=0.02, offload="state")
+    reference = Muon(twins, lr=0.02, offload="state")
+    for step in range(3):
+        for p, q in zip(params, twins):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        old = opt._state_stager
+        opt.offload_prefetch = 1 + step % 2
+        opt.step()
+        reference.step()
+        if old is not None and old is not opt._state_stager:
+            assert old in waited, "the replaced stager's stores were not waited for"
+    assert all(torch.equal(p, q) for p, q in zip(params, twins))
+    waited.clear()
+    copy.deepcopy(opt)  # a copy reads the host state: it waits for the stores too
+    assert opt._state_stager in waited

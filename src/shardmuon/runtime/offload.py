@@ -140,9 +140,13 @@ class StateStager:
 def stager_for(
     existing: StateStager | None, device: torch.device, prefetch: int, stats: StepStats
 ) -> StateStager:
-    """``existing`` if it stages ``prefetch`` chunks ahead (now reporting into ``stats``),
-    else a new stager."""
-    if existing is None or existing.prefetch != prefetch:
+    """``existing`` if it stages ``prefetch`` chunks ahead on ``device`` (now reporting into
+    ``stats``), else a new stager, once ``existing``'s stores have reached host memory (the
+    new stager's loads read it and know nothing of the old one's stream)."""
+    if existing is None or existing.prefetch != prefetch or existing.device != device:
+        if existing is not None:
+            existing.store_all()
+            existing.wait_host()
         return StateStager(device, prefetch, stats)
     existing.stats = stats
     return existing

@@ -146,6 +146,18 @@ def synchronize_all() -> None:
         step.wait_all()
 
 
+_WORKER_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def worker_stream(device: torch.device) -> torch.cuda.Stream:
+    """The overlapped steps' stream on ``device``, one per device for the process: the
+    caching allocator keeps freed blocks per stream, so a new stream per step would cache
+    each step's transient anew (one overlapped step runs at a time)."""
+    if device not in _WORKER_STREAMS:
+        _WORKER_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _WORKER_STREAMS[device]
+
+
 class OverlappedStep:
     """One step's schedule run by a background worker; chunks marked done as they finish.
 
@@ -172,7 +184,9 @@ class OverlappedStep:
         self._events: dict[ChunkKey, torch.cuda.Event] = {}
         self._ready = torch.cuda.Event() if self._cuda else None
         if self._ready is not None:
-            self._ready.record()  # the grads, on the caller's stream
+            # The grads (and their copies), on the caller's stream of the parameters' device.
+            self._ready.record(torch.cuda.current_stream(device))
+        self._device = device
         self._thread = threading.Thread(
             target=self._run, args=(work, device), name="shardmuon-overlap", daemon=True
         )
@@ -182,7 +196,7 @@ class OverlappedStep:
     def _mark(self, key: ChunkKey) -> None:
         if self._cuda:
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self._device))  # the worker's stream
             self._events[key] = event
         self._done[key].set()
 
@@ -190,7 +204,10 @@ class OverlappedStep:
         try:
             with torch.no_grad():
                 if self._cuda:
-                    stream = torch.cuda.Stream(device=device)
+                    # A new thread's current device is 0: the parameters' device, or the
+                    # worker makes a context there and records its events on its streams.
+                    torch.cuda.set_device(device)
+                    stream = worker_stream(device)
                     with torch.cuda.stream(stream):
                         stream.wait_event(self._ready)
                         for tensor in self._read_tensors:
@@ -232,7 +249,7 @@ class OverlappedStep:
             self._wait(event)
             self._raise_if_failed()
             if self._cuda and key in self._events:
-                torch.cuda.current_stream().wait_event(self._events[key])
+                torch.cuda.current_stream(self._device).wait_event(self._events[key])
 
     def wait_all(self) -> None:
         """Block until the whole step is done; raise its failure if it failed."""
@@ -240,7 +257,7 @@ class OverlappedStep:
         self._raise_if_failed()
         if self._cuda:
             for event in self._events.values():
-                torch.cuda.current_stream().wait_event(event)
+                torch.cuda.current_stream(self._device).wait_event(event)
 
     def join(self) -> None:
         """Wait for the worker to finish (it writes nothing more); raise nothing."""
