@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, fields
 
+import torch
+
 __all__ = ["BF16_BYTES", "StepStats"]
 
 BF16_BYTES = 2
@@ -78,8 +80,13 @@ class StepStats:
     def nonfinite_matrices(self) -> int:
         """Matrices this rank orthogonalized whose direction held inf or NaN (a gradient or
         momentum gone non-finite): their update was skipped (a zero direction; decoupled
-        weight decay still applied). Reading it synchronises with the device once."""
-        return int(sum(int(count) for count in self.nonfinite_counts))
+        weight decay still applied). Reading it synchronises with the device once (the
+        counts summed there first, not read one by one)."""
+        counts = [c for c in self.nonfinite_counts if isinstance(c, torch.Tensor)]
+        rest = sum(int(c) for c in self.nonfinite_counts if not isinstance(c, torch.Tensor))
+        if counts:
+            rest += int(torch.stack([c.reshape(()) for c in counts]).sum().item())
+        return rest
 
     def __str__(self) -> str:
         """A few lines with units: what ``print(opt.last_step_stats)`` shows.
