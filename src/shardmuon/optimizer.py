@@ -42,7 +42,7 @@ from shardmuon.runtime.agreement import (
     live_settings,
 )
 from shardmuon.runtime.calibration import calibrate_plan, read_auto_record, with_auto_record
-from shardmuon.runtime.exchange import warmup_groups
+from shardmuon.runtime.exchange import check_backends, warmup_groups
 from shardmuon.runtime.offload import OFFLOAD_CHOICES, StateStager, stager_for
 from shardmuon.runtime.overlap import (
     OVERLAP_CHOICES,
@@ -300,6 +300,7 @@ class Muon(Optimizer):
         for index, group in enumerate(self.param_groups):
             check_group(index, group)
         plan = self._make_plan()
+        check_backends(agreement_groups(plan.batches), self._device())
         self._plan, self._plan_key = plan, key
         self._init_state()
         self._plan_verified = False

@@ -402,6 +402,33 @@ def _stages(ctx: Context) -> None:
     fail_on(problems)
 
 
+@case("a_backend_without_collectives_for_the_device_is_refused_at_construction", (2,))
+def _backend(ctx: Context) -> None:
+    """CPU shards exchanged over an NCCL-only group (FSDP2's CPU offload on a GPU job) would
+    fail inside the step's all-to-all: refused on every rank when the optimizer is built,
+    naming the group and the backend. A backend per device, or gloo, is accepted."""
+    import shardmuon.runtime.exchange as exchange
+
+    specs = [Spec((8, 6), (S0,))]
+    original = exchange.dist.get_backend
+    problems = []
+    try:
+        exchange.dist.get_backend = lambda group=None: "nccl"
+        problems += expect_raises(
+            ValueError,
+            ["process group [0, 1]", "backend 'nccl' has no cpu collectives"],
+            lambda: _build(ctx, specs),
+        )
+        exchange.dist.get_backend = lambda group=None: "cpu:gloo,cuda:nccl"
+        _build(ctx, specs)
+    finally:
+        exchange.dist.get_backend = original
+    params, opt = _build(ctx, specs)
+    set_placed_constant_grads(ctx, params, specs)
+    opt.step()
+    fail_on(problems)
+
+
 @case("same_edit_on_every_rank_steps_as_built_so")
 def _same_edit(ctx: Context) -> None:
     """Planned and live settings changed alike on every rank after step 1: no error, and the

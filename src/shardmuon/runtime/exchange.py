@@ -20,6 +20,7 @@ owner's receive buffer is the whole matrix and its result is the return's send b
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ from shardmuon.planning.groups import ShardGroup
 from shardmuon.planning.placements import MatrixLayout
 from shardmuon.runtime.telemetry import BF16_BYTES, StepStats
 
-__all__ = ["BatchExchange", "warmup_groups"]
+__all__ = ["BatchExchange", "check_backends", "warmup_groups"]
 
 
 @dataclass
@@ -174,3 +175,47 @@ def warmup_groups(groups: list[ShardGroup], device: torch.device) -> None:
         send = torch.zeros(group.size, dtype=torch.bfloat16, device=device)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group.process_group)
+
+
+# What each backend runs collectives on ("gloo" stages CUDA tensors through the host).
+_BACKEND_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "mpi": ("cpu",)}
+
+
+def _backend_for(group: dist.ProcessGroup, device_type: str) -> tuple[str, str | None]:
+    """``(backend string, the backend serving device_type or None)``; unknown backends are
+    trusted (returned as serving it)."""
+    name = str(dist.get_backend(group))
+    if ":" in name:  # "cpu:gloo,cuda:nccl"
+        pairs = dict(part.split(":", 1) for part in name.split(","))
+        return name, pairs.get(device_type)
+    devices = _BACKEND_DEVICES.get(name)
+    return name, name if devices is None or device_type in devices else None
+
+
+def check_backends(groups: list[ShardGroup], device: torch.device) -> None:
+    """Refuse, before any collective, a group whose backend has no collectives for the
+    parameters' device (CPU shards, e.g. FSDP2's CPU offload, on an NCCL-only job: the
+    step's all-to-all would raise inside it); warn once where CUDA shards go through gloo
+    (host copies and blocking waits: correct, not overlapped). The same verdict on every
+    rank of a group (its backend and, when the ranks agree, the device are shared)."""
+    if not dist.is_initialized():
+        return
+    for group in groups:
+        name, serving = _backend_for(group.process_group, device.type)
+        if serving is None:
+            raise ValueError(
+                f"Muon's parameters are on {device.type} and exchanged over process group "
+                f"{list(group.ranks)}, whose backend {name!r} has no {device.type} "
+                "collectives; initialise the process group with one for each device "
+                "(init_process_group(backend='cpu:gloo,cuda:nccl')) or keep the parameters "
+                f"on the backend's device"
+            )
+        if device.type == "cuda" and serving == "gloo":
+            warnings.warn(
+                f"Muon's CUDA parameters are exchanged over process group "
+                f"{list(group.ranks)} with gloo: each all-to-all copies through host memory "
+                "and blocks (correct, not overlapped); use NCCL for CUDA tensors",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
