@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from checks import assert_same_optimizers
+from overlap_setup import hold_the_last_chunk
 from torch import nn
 
 import shardmuon.runtime.overlap as overlap_module
@@ -97,16 +98,7 @@ def test_step_returns_before_the_step_is_done_and_each_layer_waits_for_its_own(m
     model = _model(layers=6)
     opt = _optimizer(model, overlap="forward")
     opt.overlap_with(model)
-    release = threading.Event()
-    mark = overlap_module.OverlappedStep._mark
-    last = ("batch", max(i for _, i in opt._step_schedule()))
-
-    def hold_the_last(self, key):
-        if key == last:
-            release.wait(10)
-        mark(self, key)
-
-    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", hold_the_last)
+    release = hold_the_last_chunk(monkeypatch, opt)
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
     pending = opt._overlap.pending

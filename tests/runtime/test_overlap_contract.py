@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 from checks import assert_same_optimizers
+from overlap_setup import hold_the_last_chunk
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -158,6 +159,25 @@ def test_a_parent_forward_reading_a_child_weight_waits_for_it(slow_worker, mode)
     )
 
 
+def _losses_of_both(make, steps: int, warm_forwards: int = 0) -> tuple[list, list]:
+    """The losses of ``steps`` steps of the overlapped and of the sequential pair (one loop
+    after the other: a sequential step waits for every overlapped one in flight), after
+    ``warm_forwards`` forwards without grad."""
+    model, opt, reference_model, reference = _pair(make)
+    losses = {id(model): [], id(reference_model): []}
+    for m, o in ((reference_model, reference), (model, opt)):
+        with torch.no_grad():
+            for _ in range(warm_forwards):
+                m(torch.ones(2, 8))
+        for step in range(steps):
+            loss = m(torch.ones(2, 8) * (step + 1)).square().mean()
+            losses[id(m)].append(loss.item())
+            o.zero_grad()
+            loss.backward()
+            o.step()
+    return losses[id(model)], losses[id(reference_model)]
+
+
 class _TiedFunctional(nn.Module):
     """A head applied functionally: the parent's forward reads a child's weight whose own
     forward never runs (and one child, unused, whose forward never runs at all)."""
@@ -176,16 +196,8 @@ class _TiedFunctional(nn.Module):
 
 
 def test_a_weight_read_functionally_by_the_parent_waits_for_it(slow_worker):
-    model, opt, reference_model, reference = _pair(_TiedFunctional)
-    losses = {id(model): [], id(reference_model): []}
-    for m, o in ((reference_model, reference), (model, opt)):  # one loop after the other
-        for step in range(4):
-            loss = m(torch.ones(2, 8) * (step + 1)).square().mean()
-            losses[id(m)].append(loss.item())
-            o.zero_grad()
-            loss.backward()
-            o.step()
-    assert losses[id(model)] == losses[id(reference_model)]
+    overlapped, sequential = _losses_of_both(_TiedFunctional, steps=4)
+    assert overlapped == sequential
 
 
 def test_after_the_first_forward_each_module_waits_only_for_what_it_reads():
@@ -239,19 +251,8 @@ class _Branchy(nn.Module):
 def test_a_child_skipped_by_some_forwards_is_covered_by_its_parent(slow_worker):
     """Once a forward has skipped the child (here: the second, before any step), its parent
     waits for it in every later forward."""
-    model, opt, reference_model, reference = _pair(_Branchy)
-    losses = {id(model): [], id(reference_model): []}
-    for m, o in ((reference_model, reference), (model, opt)):  # one loop after the other
-        with torch.no_grad():
-            m(torch.ones(2, 8))
-            m(torch.ones(2, 8))
-        for step in range(5):
-            loss = m(torch.ones(2, 8) * (step + 1)).square().mean()
-            losses[id(m)].append(loss.item())
-            o.zero_grad()
-            loss.backward()
-            o.step()
-    assert losses[id(model)] == losses[id(reference_model)]
+    overlapped, sequential = _losses_of_both(_Branchy, steps=5, warm_forwards=2)
+    assert overlapped == sequential
 
 
 def test_a_layer_runs_while_later_layers_are_still_being_updated(monkeypatch):
@@ -261,16 +262,7 @@ def test_a_layer_runs_while_later_layers_are_still_being_updated(monkeypatch):
     opt = _optimizer(model, overlap="forward")
     opt.overlap_with(model)
     model(torch.ones(1, 8)).sum().backward()  # the first forward shows what runs
-    release = threading.Event()
-    mark = overlap_module.OverlappedStep._mark
-    last = ("batch", max(i for _, i in opt._step_schedule()))
-
-    def hold_the_last(self, key):
-        if key == last:
-            release.wait(10)
-        mark(self, key)
-
-    monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", hold_the_last)
+    release = hold_the_last_chunk(monkeypatch, opt)
     opt.step()
     seen = []
     model[0].register_forward_hook(lambda *_: seen.append(opt._overlap.pending.finished))
