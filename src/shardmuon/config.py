@@ -170,7 +170,7 @@ class MuonConfig(BaseModel):
     newton_schulz_restarts: Any = None
     newton_schulz_guard: Any = None
     newton_schulz_preconditioner: Literal["aol"] | None = None
-    warmup: bool = False
+    warmup: bool | None = None
     # QK-clip (not Muon arguments: build_qk_clip reads them); None = off.
     qk_clip_threshold: float | None = None
     qk_clip_alpha: float = 0.5

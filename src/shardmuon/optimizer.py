@@ -42,7 +42,7 @@ from shardmuon.runtime.agreement import (
     live_settings,
 )
 from shardmuon.runtime.calibration import calibrate_plan, read_auto_record, with_auto_record
-from shardmuon.runtime.exchange import check_backends, warmup_groups
+from shardmuon.runtime.exchange import check_backends
 from shardmuon.runtime.offload import OFFLOAD_CHOICES, StateStager, stager_for
 from shardmuon.runtime.overlap import (
     OVERLAP_CHOICES,
@@ -67,6 +67,7 @@ from shardmuon.runtime.state import (
     with_settings,
 )
 from shardmuon.runtime.telemetry import StepStats
+from shardmuon.runtime.warmup import wants_warmup, warm_up, warmup_sizes
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.validation import (
     AGREED_SETTINGS,
@@ -126,7 +127,9 @@ class Muon(Optimizer):
         rotate_owners: continue owners round-robin across batches (``False`` for benchmarks).
         split_replicas: HSDP: one replica orthogonalizes each batch and broadcasts the
             result over the replicate dim, instead of every replica repeating it.
-        warmup: run :meth:`warmup` at construction.
+        warmup: :meth:`warmup` at construction and whenever a new plan first steps (its
+            groups not yet warmed); ``None`` (default): on where the parameters are on a GPU
+            and a group's collectives run on NCCL, off elsewhere (gloo, one process).
         check_grads: when a group's ranks verify (one small all-reduce) that they planned
             alike and a grad is present on all or none: ``"first"`` step and after a plan
             change (default), ``"always"``, ``"never"`` (the plan still once; grads never).
@@ -171,7 +174,7 @@ class Muon(Optimizer):
         newton_schulz_preconditioner: str | None = None,
         rotate_owners: bool = True,
         split_replicas: bool = False,
-        warmup: bool = False,
+        warmup: bool | None = None,
         check_grads: str = "first",
         overlap: str | None = None,
         world_mesh: Any = None,
@@ -202,8 +205,11 @@ class Muon(Optimizer):
         # OneCycleLR/CyclicLR need "momentum" in the defaults (an alias of mu / beta1,
         # validation.apply_momentum_alias); added after the groups, so dion's keys otherwise.
         self.defaults[MOMENTUM_ALIAS] = None
+        if warmup is not None and not isinstance(warmup, bool):
+            raise TypeError(f"warmup must be True, False or None (on with NCCL), got {warmup!r}")
+        self.warmup_setting = warmup
         self._ensure_plan()
-        if warmup:
+        if self._wants_warmup():
             self.warmup()
 
     def _reset_runtime(self) -> None:
@@ -325,9 +331,27 @@ class Muon(Optimizer):
         return chunk_info(self._plan, self.param_groups, self.state, chunk)
 
     def warmup(self) -> None:
-        """Run a tiny all-to-all on every group Muon uses: shard and replicate dims."""
+        """Set up every process group the step uses, before the step needs it: an all-to-all
+        on each exchange group with the plan's largest piece as its per-peer message, a
+        broadcast on each group that shares results between replicas; with
+        ``overlap="forward"`` the overlapped step's own groups too (made here: a collective
+        over the world). Groups already warmed for these sizes are skipped
+        (``runtime/warmup.py``). Collective: every rank calls it together."""
         self._ensure_plan()
-        warmup_groups(agreement_groups(self._plan.batches), self._device())
+        self._warm_plan_groups()
+        if self.overlap is not None:
+            self._overlap.prepare(self._plan, self.param_groups, True, self._device())
+
+    def _wants_warmup(self) -> bool:
+        self._ensure_plan()
+        groups = [g.process_group for g in agreement_groups(self._plan.batches)]
+        return wants_warmup(getattr(self, "warmup_setting", None), groups, self._device())
+
+    def _warm_plan_groups(self) -> None:
+        groups: dict[tuple[int, ...], list] = {}
+        for group in agreement_groups(self._plan.batches):
+            groups.setdefault(tuple(sorted(group.ranks)), []).append(group.process_group)
+        warm_up(groups, warmup_sizes(self._plan.batches), self._device())
 
     def _device(self) -> torch.device:
         for group in self.param_groups:
@@ -354,7 +378,7 @@ class Muon(Optimizer):
         if self.overlap is None:
             self._last_stats.workspace_peak_bytes = run_step(ctx, schedule, stager)
             return loss
-        self._overlap.start(ctx, schedule, stager, run_step)
+        self._overlap.start(ctx, schedule, stager, run_step, warm=self._wants_warmup)
         if self._optimizer_step_post_hooks or _global_optimizer_post_hooks:
             self._wait_for_post_hooks()
         return loss
@@ -467,6 +491,8 @@ class Muon(Optimizer):
         schedule = self._step_schedule()
         if self.check_grads == "always" or not self._plan_verified:
             self._check_agreement()
+            if not self._plan_verified and self._wants_warmup():
+                self._warm_plan_groups()  # a new plan's groups (warmed ones are skipped)
             self._calibrate_auto()
             self._plan_verified = True
             self._agreed_groups = agreement_groups(self._plan.batches)

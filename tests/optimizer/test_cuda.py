@@ -49,6 +49,34 @@ def test_gram_on_cuda_meets_the_error_targets_without_the_guard_firing(shape, dt
     assert verdict.fallbacks == 0, verdict
 
 
+def test_the_guard_synchronises_once_per_call_when_nothing_diverged() -> None:
+    """The device's own count: under ``set_sync_debug_mode("warn")`` every operation that
+    makes the host wait warns; a guarded call that passes every matrix makes one (its
+    verdict's reading of whether any failed), the count and worst ratio stay on the GPU."""
+    import warnings
+
+    from shardmuon.ops.newton_schulz_guard import guarded
+
+    G = torch.randn(8, 128, 384, generator=torch.Generator().manual_seed(3)).cuda()
+    result = newton_schulz(G, "dion")
+    guarded(G, lambda X: result, "dion", 1e-8)  # first call: lazy library loads, probes
+    torch.cuda.synchronize()
+    before = torch.cuda.get_sync_debug_mode()
+    try:
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out, verdict = guarded(G, lambda X: result, "dion", 1e-8)
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs
+    assert verdict.fallback_count.is_cuda and verdict.worst_ratio_tensor.is_cuda
+    assert (verdict.checked, verdict.fallbacks) == (8, 0)
+    assert 0.5 < verdict.worst_ratio < 1.15
+    assert out is result
+
+
 def test_muon_step_on_cuda_matches_cpu() -> None:
     gen = torch.Generator().manual_seed(1)
     shapes = [(64, 32), (32, 64), (4, 48, 32), (32,)]

@@ -439,3 +439,29 @@ def test_the_schedule_cache_holds_its_plan_not_its_id(monkeypatch):
         if id(plan) == freed:
             break
     assert cache.get(plan, 100, 1) == [("prepare", 2)]
+
+
+class _StandInStream:
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+
+def test_a_wait_orders_every_stream_that_reads_the_parameters(monkeypatch):
+    """On CUDA a wait is a stream wait on the chunk's event: the caller's stream and every
+    other stream given (FSDP2's all-gather copy-in and all-gather streams) wait on exactly
+    the events of the chunks asked for (stand-in streams and events on a CPU)."""
+    keys = [("batch", 0), ("batch", 1), ("adamw", 0)]
+    step = overlap_module.OverlappedStep(
+        lambda done: [done(k) for k in keys], keys, torch.device("cpu")
+    )
+    step.join()
+    step._cuda = True
+    step._events = {k: f"event of {k}" for k in keys}
+    current, copy_in, gather = _StandInStream(), _StandInStream(), _StandInStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    step.wait_for([("batch", 1), ("adamw", 0)], [copy_in, gather])
+    wanted = ["event of ('batch', 1)", "event of ('adamw', 0)"]
+    assert current.waited == copy_in.waited == gather.waited == wanted

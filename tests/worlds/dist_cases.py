@@ -494,7 +494,12 @@ def _ns_reference(u: torch.Tensor, partitions: tuple[int, ...] | None) -> torch.
 
 @case("warmup_every_group")
 def _warmup(ctx: Context) -> None:
-    """``warmup()`` runs one all-to-all on each shard group the parameters imply, no other."""
+    """``warmup()`` runs one all-to-all on each shard group the parameters imply, no other,
+    whose per-peer message is the largest piece over that group; a second optimizer over the
+    same groups (``warmup=True``) finds them warmed and runs none; the default on gloo none."""
+    from shardmuon.runtime import warmup as warmup_module
+
+    warmup_module._WARMED.clear()  # what earlier cases of this world warmed
     specs = [Spec((30, 16), (S0,)), Spec((16, 3), (S1,)), Spec((5, 4, 4), (S0,)), Spec((4, 4))]
     if ctx.mesh_2d is not None:
         specs += [
@@ -506,15 +511,30 @@ def _warmup(ctx: Context) -> None:
     params = [nn.Parameter(place(ctx, s, torch.zeros(s.shape))) for s in specs]
     expected = {g for p in params if (g := matrix_shard_group(p, False)) is not None}
     problems = []
-    for how in ("warmup()", "warmup=True"):
+    for how, wanted in (("warmup()", 1), ("warmup=True", 0), ("default", 0)):
         with counting_all_to_all() as calls:
             if how == "warmup()":
-                make_optimizer(params, specs).warmup()
+                opt = make_optimizer(params, specs, warmup=False)
+                opt.warmup()
+                largest: dict[tuple[int, ...], int] = {}
+                for chunk in opt.chunks():
+                    layout = getattr(chunk, "layout", None)
+                    if layout is not None and layout.exchanged:
+                        ranks = tuple(sorted(layout.group.ranks))
+                        piece = max(layout.piece_numel(j) for j in range(layout.group.size))
+                        largest[ranks] = max(largest.get(ranks, 0), piece)
             else:
-                make_optimizer(params, specs, warmup=True)
+                make_optimizer(params, specs, **({"warmup": True} if how == "warmup=True" else {}))
         per_group = Counter(c.ranks for c in calls)
-        if set(per_group) != expected or any(n != 1 for n in per_group.values()):
+        if wanted and (set(per_group) != expected or any(n != 1 for n in per_group.values())):
             problems.append(f"{how}: all-to-alls per group {dict(per_group)}, expected {expected}")
+        if not wanted and calls:
+            problems.append(f"{how}: {len(calls)} all-to-alls, expected none")
+        if how == "warmup()":
+            for call in calls:
+                per_peer = call.sent // (2 * (len(call.ranks) - 1))
+                if per_peer != largest[tuple(sorted(call.ranks))]:
+                    problems.append(f"group {call.ranks}: warmed with {per_peer} per peer")
     fail_on(problems)
 
 

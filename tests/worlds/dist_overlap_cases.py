@@ -262,6 +262,91 @@ def fsdp2_explicit_unshard_bitwise(ctx: Context) -> None:
     assert_same_local_optimizers(a, list(plain.parameters()), b, list(overlapped.parameters()))
 
 
+def fsdp2_all_gather_streams_wait_too(ctx: Context) -> None:
+    """FSDP2 copies a unit's shards into its all-gather on its own copy-in stream, which
+    waits on the current stream only in the root's pre-forward: each unit's hook makes
+    those streams wait for the unit's update too (on CUDA, stream waits on the chunks'
+    events), with implicit and explicit forward prefetch. The streams are FSDP2's own
+    (identity): a wait on the current stream alone fails this."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = _fully_shard(ctx.mesh)(_layers())
+    blocks = list(model)[1:-1]
+    blocks[0].set_modules_to_forward_prefetch([blocks[1]])
+    opt = _optimizer(model, overlap="forward")
+    opt.overlap_with(model)
+    _train(ctx, model, opt, range(1))  # FSDP2's lazy init: its streams exist from here
+    waits: list[tuple[set[int], list]] = []
+    original = opt._overlap.wait_for_params
+
+    def recorded(ids, streams=()):
+        ids = list(ids)
+        waits.append((set(ids), list(streams)))
+        return original(ids, streams)
+
+    opt._overlap.wait_for_params = recorded
+    with PauseAfterEachChunk():
+        _train(ctx, model, opt, range(1, 3))
+    opt.synchronize()
+    reads = overlap_module.ReadMap(model)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        comm = unit._get_fsdp_state()._comm_ctx
+        wanted = [comm.all_gather_copy_in_stream, comm.all_gather_stream]
+        own = set(reads.own[id(unit)])
+        if not own:  # the root: every layer is a unit of its own
+            continue
+        covering = [streams for ids, streams in waits if own & ids]
+        assert covering, f"no wait covered {type(unit).__name__}'s parameters"
+        for streams in covering:
+            assert all(any(s is w for s in streams) for w in wanted), (
+                f"a wait for {type(unit).__name__}'s parameters left FSDP2's all-gather "
+                f"streams out: {streams}"
+            )
+
+
+def warmup_sets_every_group_up_before_the_background_step(ctx: Context) -> None:
+    """``warmup=True`` (the default with NCCL): construction warms the plan's groups and the
+    overlapped step's own groups (other group objects over the same ranks: each warmed), on
+    the calling thread; the background step's first collective on every group it uses then
+    meets a group already set up. The default on gloo warms nothing."""
+    import threading
+
+    from shardmuon.runtime import warmup as warmup_module
+
+    warmup_module._WARMED.clear()
+    calls: list[tuple[str, int, int]] = []  # (thread, id(group), elements)
+    originals = dist.all_to_all_single, dist.broadcast
+
+    def all_to_all(output, input, *args, group=None, **kwargs):
+        calls.append((threading.current_thread().name, id(group), input.numel()))
+        return originals[0](output, input, *args, group=group, **kwargs)
+
+    dist.all_to_all_single = all_to_all
+    try:
+        model = _fully_shard(ctx.mesh)(_layers())
+        quiet = _optimizer(model, overlap="forward")  # warmup=None on gloo: nothing
+        assert calls == [], calls
+        opt = _optimizer(model, overlap="forward", warmup=True)
+        opt.overlap_with(model)
+        warmed = {group for thread, group, _ in calls if thread == "MainThread"}
+        assert len(calls) == len(warmed), calls  # each group once
+        assert all(thread == "MainThread" for thread, _, _ in calls), calls
+        step_groups = {id(g) for g in opt._overlap._step_groups.values()}
+        plan_groups = {id(ctx.mesh.get_group(0))}
+        assert step_groups and step_groups.isdisjoint(plan_groups)
+        assert step_groups | plan_groups <= warmed, (step_groups, plan_groups, warmed)
+        before = len(calls)
+        _train(ctx, model, opt, range(2))
+        opt.synchronize()
+        background = [group for thread, group, _ in calls[before:] if thread != "MainThread"]
+        assert background and set(background) <= step_groups, calls[before:]
+        assert all(thread != "MainThread" for thread, _, _ in calls[before:]), "warmed twice"
+        del quiet
+    finally:
+        dist.all_to_all_single = originals[0]
+
+
 def step_groups_made_once_and_a_local_optimizer_asks_nobody(ctx: Context) -> None:
     """The step's own process groups are made at the first overlapped step of a plan (one
     world ``all_gather_object``), not at every step; an overlapped optimizer of this rank's
@@ -368,6 +453,10 @@ CASES_BY_WORLD: dict[int, dict[str, Callable[[Context], None]]] = {
         "fsdp2_model_bitwise": fsdp2_model_bitwise,
         "fsdp2_forward_prefetch_bitwise": fsdp2_forward_prefetch_bitwise,
         "fsdp2_explicit_unshard_bitwise": fsdp2_explicit_unshard_bitwise,
+        "fsdp2_all_gather_streams_wait_too": fsdp2_all_gather_streams_wait_too,
+        "warmup_sets_every_group_up_before_the_background_step": (
+            warmup_sets_every_group_up_before_the_background_step
+        ),
         "step_groups_made_once_and_a_local_optimizer_asks_nobody": (
             step_groups_made_once_and_a_local_optimizer_asks_nobody
         ),
@@ -391,6 +480,21 @@ CASES: dict[str, Callable[[Context], None]] = {
 
 
 FAULT_TIMEOUT_S = 5.0  # the fault world's collective timeout (tests/runtime/test_overlap_faults.py)
+
+
+def the_groups_made_here_take_the_job_timeout(ctx: Context) -> None:
+    """Every group this package makes (a part group of some ranks, the overlapped step's own
+    groups) takes the job's timeout (5 s here), not the backend's default (NCCL's 10 and
+    gloo's 30 minutes): a peer's failure surfaces when the job expects."""
+    from shardmuon.planning import groups as planning_groups
+
+    def timeout_of(group: dist.ProcessGroup) -> float:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    part = planning_groups._part_group(frozenset({(0, 1)}), (0, 1))
+    steps = overlap_module.step_process_groups({(0, 1)})
+    timeouts = [timeout_of(part), *(timeout_of(g) for g in steps.values())]
+    assert timeouts == [FAULT_TIMEOUT_S] * 2, timeouts
 
 
 def a_failure_on_one_rank_reaches_its_peer_at_the_timeout(ctx: Context) -> None:
@@ -426,6 +530,7 @@ def a_failure_on_one_rank_reaches_its_peer_at_the_timeout(ctx: Context) -> None:
 
 
 FAULT_CASES: dict[str, Callable[[Context], None]] = {
+    "the_groups_made_here_take_the_job_timeout": the_groups_made_here_take_the_job_timeout,
     "a_failure_on_one_rank_reaches_its_peer_at_the_timeout": (
         a_failure_on_one_rank_reaches_its_peer_at_the_timeout
     ),

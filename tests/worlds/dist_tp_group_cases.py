@@ -5,6 +5,8 @@ stage's group, and ranks that disagree on their pieces all raising. Part of ``di
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from dist_cases import expect_raises
@@ -54,11 +56,47 @@ def _stages(ctx: TPContext) -> None:
     """Like pipeline stages: on a ("pp", "dp", "tp") mesh whose stages are ranks 0, 2, 4, 6
     and 1, 3, 5, 7 (rank sets no earlier case flattened), stage 0 holds FSDP-over-TP weights
     and stage 1 only 1-D ones. Only stage 0 makes its dp x tp group (no rank waits for the
-    other stage), and each stage steps bitwise like one process."""
+    other stage), and each stage steps bitwise like one process.
 
-    from shardmuon.planning import groups as planning_groups
+    With the world group bound to a device (``init_process_group(device_id=...)``, stood in
+    for on gloo while the optimizers plan and step): torch would make each new group by
+    splitting the world's communicator, which every world rank must call, so stage 0's
+    group, made by stage 0 alone, would wait forever on NCCL. No group may be made that way."""
+    world = dist.distributed_c10d._get_default_group()
+    original, split_by_members = dist.new_group, []
+
+    def new_group(ranks=None, *args, **kwargs):
+        local = kwargs.get("use_local_synchronization", False)
+        bound = getattr(world, "bound_device_id", None)
+        if local and bound is not None:
+            split_by_members.append(tuple(ranks))  # an ncclCommSplit some ranks never join
+            world.bound_device_id = None  # made anyway, so that the case reports it
+            try:
+                return original(ranks, *args, **kwargs)
+            finally:
+                world.bound_device_id = bound
+        return original(ranks, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def bound_world():  # around the optimizer's work only (gloo makes no groups while bound)
+        world.bound_device_id = torch.device("cpu", 0)
+        dist.new_group = new_group
+        try:
+            yield
+        finally:
+            dist.new_group = original
+            world.bound_device_id = None
 
     ranks = torch.arange(8).view(2, 2, 2).permute(2, 0, 1).contiguous()
+    _stages_step_alone(ctx, ranks, bound_world)
+    fail_on([f"group {r} split from the bound world by its members only" for r in split_by_members])
+
+
+def _stages_step_alone(
+    ctx: TPContext, ranks: torch.Tensor, around_the_optimizer=contextlib.nullcontext
+) -> None:
+    from shardmuon.planning import groups as planning_groups
+
     mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("pp", "dp", "tp"))
     stage_mesh = mesh["dp", "tp"]
     stage = mesh.get_local_rank(0)
@@ -80,8 +118,9 @@ def _stages(ctx: TPContext) -> None:
     ]
     for param, g, p in zip(params, grads, placements):
         param.grad = distribute_tensor(g.clone(), stage_mesh, list(p), src_data_rank=None)
-    opt = Muon(params, lr=0.02, weight_decay=0.1)
-    opt.step()
+    with around_the_optimizer():
+        opt = Muon(params, lr=0.02, weight_decay=0.1)
+        opt.step()
     refs = [nn.Parameter(f.clone()) for f in fulls]
     for ref, g in zip(refs, grads):
         ref.grad = g.clone()

@@ -12,15 +12,23 @@ The test is sound (no diverged-above-the-band result passes), not an estimate: w
 ``A = O O^T`` (one GEMM on the short side, a tenth of an iteration's FLOPs) in fp32,
 ``sigma_max(O)^2 = lambda_max(A)``, and
 
-* ``||A||_F`` is an upper bound of ``lambda_max(A)``: a matrix it clears passes (a low-rank
-  result usually does, at no further cost);
+* ``||A||_F`` is an upper bound of ``lambda_max(A)``: a matrix it clears passes (a result
+  of rank 1 or 2 usually does);
 * every other matrix passes when ``slack^2 band^2 I - A`` is positive definite, which one
   batched fp32 Cholesky factorisation decides (``cholesky_ex``: a third of an eigensolver's
   FLOPs and 3-8x faster than ``eigvalsh`` here), against a limit lowered by the
-  factorisation's own rounding (``4 m u``). Only a matrix that fails gets an exact
-  ``lambda_max`` (``eigvalsh``), for the verdict. A power estimate from a fixed start (the
-  guard two rounds ago) is a lower bound that falls short when the top singular values
-  cluster: 1.148x estimated for a true 1.458x.
+  factorisation's own rounding (``4 m u``). A power estimate from a fixed start (the guard
+  two rounds ago) is a lower bound that falls short when the top singular values cluster:
+  1.148x estimated for a true 1.458x.
+
+The factorisation runs on every matrix, the ones the Frobenius bound already clears too,
+and the two tests are combined elementwise: selecting the undecided matrices first would
+give the batch a data-dependent size, which the host has to read back from the device. As
+it is, the host waits for the device once per call, to learn whether any matrix failed
+(the recompute is host-driven); everything else the verdict holds (the count, the worst
+ratio) stays on the device until it is read. Only when some matrix failed are those
+matrices picked out (more synchronisations, on a path that is rare) and given an exact
+``lambda_max`` (``eigvalsh``), for the verdict.
 
 Why not the iteration's own products: the Gram iteration's ``R`` is updated by ``R <- P R P``
 beside ``Q <- P Q``, so it describes the ``Q`` the iteration meant, not the drifted one that
@@ -38,7 +46,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -112,16 +120,36 @@ def largest_singular_value(result: Tensor) -> Tensor:
     return torch.where(finite, lam.clamp_min(0).sqrt(), torch.full_like(lam, float("inf")))
 
 
+def _zero(dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+    return torch.zeros((), dtype=dtype, device=device)
+
+
 @dataclass
 class GuardVerdict:
     """What the guard saw in one call: matrices checked, recomputed, and the largest ratio of
     a top singular value to the band (1.0: at the band's top): exact for a recomputed
     matrix, and for a passing one a lower bound (its largest row norm), which is all a
-    certificate that it is below the slack needs."""
+    certificate that it is below the slack needs.
+
+    ``checked`` is known on the host; the other two stay on the result's device as 0-d
+    tensors (``fallback_count``: int64, ``worst_ratio_tensor``: fp32) so that a call costs
+    no synchronisation for them. :attr:`fallbacks` and :attr:`worst_ratio` read them (one
+    synchronisation each); a caller with many verdicts stacks the tensors and reads them
+    at once (``runtime.telemetry.StepStats``)."""
 
     checked: int = 0
-    fallbacks: int = 0
-    worst_ratio: float = 0.0
+    fallback_count: Tensor = field(default_factory=lambda: _zero(torch.int64))
+    worst_ratio_tensor: Tensor = field(default_factory=lambda: _zero(torch.float32))
+
+    @property
+    def fallbacks(self) -> int:
+        """Matrices recomputed by the safe iteration (reads the device)."""
+        return int(self.fallback_count)
+
+    @property
+    def worst_ratio(self) -> float:
+        """The largest ``sigma_max / band`` seen (reads the device); 0.0 when none checked."""
+        return float(self.worst_ratio_tensor)
 
 
 # Relative slack for the rounding of an fp32 Cholesky factorisation of an ``m x m`` matrix:
@@ -142,29 +170,24 @@ def _exceeds(A: Tensor, limit: float) -> Tensor:
 
 
 def _ratios(out: Tensor, band: float, slack: float) -> tuple[Tensor, Tensor]:
-    """Which matrices of ``out[B, m, n]`` diverged, and each one's ``sigma_max / band`` as
-    far as the test needs it: bool ``[B]`` (``True``: above ``slack``, or non-finite) and
-    fp32 ``[B]``.
+    """Which matrices of ``out[B, m, n]`` diverged, and a lower bound of each one's
+    ``sigma_max / band``: bool ``[B]`` (``True``: above ``slack``, or non-finite) and fp32
+    ``[B]``, both left on the device (no synchronisation).
 
     ``A = O O^T / band^2`` in fp32; a matrix passes when ``||A||_F`` (an upper bound of
-    ``lambda_max``) is below ``slack^2`` (a low-rank result, at no further cost), else when
-    ``slack^2 I - A`` has a Cholesky factor (:func:`_exceeds`). The ratio is exact
-    (``eigvalsh``) for the few that fail, ``inf`` for a non-finite one, and for a passing
-    matrix a lower bound: its largest row norm (``sqrt(max_i A_ii)``)."""
+    ``lambda_max``) is below ``slack^2`` (a low-rank result), else when ``slack^2 I - A``
+    has a Cholesky factor (:func:`_exceeds`, run on every matrix so that no shape depends on
+    the data); a non-finite one has diverged. The ratio is ``inf`` for a non-finite matrix
+    and otherwise its largest row norm (``sqrt(max_i A_ii)``): exact enough for a passing
+    matrix's certificate; the caller replaces it by the exact one for the few that fail."""
     A = _gram_fp32(out).div_(band * band)
     finite = torch.isfinite(A).flatten(1).all(dim=1)
     A = A.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     limit = slack * slack
-    diverged = ~finite
-    undecided = finite & (torch.linalg.matrix_norm(A) > limit)
-    if bool(undecided.any()):
-        diverged[undecided] = _exceeds(A[undecided], limit)
-    lam = A.diagonal(dim1=-2, dim2=-1).amax(dim=-1)
-    exact = diverged & finite
-    if bool(exact.any()):
-        lam[exact] = torch.linalg.eigvalsh(A[exact])[..., -1]
-    ratio = lam.clamp_min(0).sqrt()
-    return diverged, torch.where(finite, ratio, torch.full_like(ratio, float("inf")))
+    above = (torch.linalg.matrix_norm(A) > limit) & _exceeds(A, limit)
+    diverged = torch.where(finite, above, True)
+    ratio = A.diagonal(dim1=-2, dim2=-1).amax(dim=-1).clamp_min_(0).sqrt_()
+    return diverged, torch.where(finite, ratio, float("inf"))
 
 
 def guarded(
@@ -185,21 +208,29 @@ def guarded(
     coefficients = resolve_coefficients(coefficients)
     out = orthogonalize(G)
     if out.numel() == 0:
-        return out, GuardVerdict()
+        return out, GuardVerdict(
+            0, _zero(torch.int64, out.device), _zero(torch.float32, out.device)
+        )
     flat = out.reshape(-1, *out.shape[-2:])
-    bad, ratio = _ratios(flat, band_high(coefficients), slack)
-    verdict = GuardVerdict(flat.size(0), int(bad.sum()), float(ratio.max()))
-    if verdict.fallbacks:
-        inputs = G.reshape(-1, *G.shape[-2:])
-        for i in bad.nonzero().flatten().tolist():
-            safe = orthogonalize_with(
-                iterate_folded,
-                inputs[i : i + 1].float(),
-                coefficients,
-                eps,
-                dtype=torch.float32,
-                preconditioner=preconditioner,
-            )
-            flat[i] = safe.X[0].to(flat.dtype)
-        out = flat.reshape(out.shape)  # a view of ``out`` unless reshape had to copy
-    return out, verdict
+    band = band_high(coefficients)
+    bad, ratio = _ratios(flat, band, slack)
+    count = bad.sum()
+    # The call's one synchronisation: the recompute below is driven from the host.
+    if not bool(bad.any()):
+        return out, GuardVerdict(flat.size(0), count, ratio.max())
+    failed = bad.nonzero().flatten()
+    # The exact ratio of the failed matrices (before they are overwritten), for the verdict.
+    ratio = ratio.index_put((failed,), largest_singular_value(flat[failed]) / band)
+    verdict = GuardVerdict(flat.size(0), count, ratio.max())
+    inputs = G.reshape(-1, *G.shape[-2:])
+    for i in failed.tolist():
+        safe = orthogonalize_with(
+            iterate_folded,
+            inputs[i : i + 1].float(),
+            coefficients,
+            eps,
+            dtype=torch.float32,
+            preconditioner=preconditioner,
+        )
+        flat[i] = safe.X[0].to(flat.dtype)
+    return flat.reshape(out.shape), verdict  # a view of ``out`` unless reshape had to copy

@@ -9,14 +9,17 @@ order, which :class:`ShardGroup` keeps beside it (:mod:`shardmuon.planning.mesh_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from shardmuon.planning.mesh_order import MeshOrder, holders, mesh_order
 
-__all__ = ["ShardGroup", "exchange_group", "replica_group"]
+__all__ = ["ShardGroup", "exchange_group", "job_timeout", "replica_group"]
 
 
 @dataclass(frozen=True)
@@ -126,16 +129,60 @@ _MADE_PARTITIONS: set[frozenset[tuple[int, ...]]] = set()
 def _part_group(parts: frozenset[tuple[int, ...]], members: tuple[int, ...]) -> dist.ProcessGroup:
     """The group of ``members`` (sorted), one part of ``parts`` (a partition of a mesh's ranks
     that all its ranks compute alike), made by those ranks only (``use_local_synchronization``:
-    ranks off the mesh, such as other pipeline stages, need not take part).
+    ranks off the mesh, such as other pipeline stages, need not take part), on the job's
+    timeout (:func:`job_timeout`).
 
     torch 2.13 names such a group by its ranks and by how many groups the caller already
     has, so its members must have made equally many: every rank of the mesh makes its part's
     group the first time the partition is needed, even if it made one of those ranks before.
     """
     if parts not in _MADE_PARTITIONS:
-        _FLATTENED_GROUPS[members] = dist.new_group(list(members), use_local_synchronization=True)
+        with _not_split_from_the_world():
+            _FLATTENED_GROUPS[members] = dist.new_group(
+                list(members), timeout=job_timeout(), use_local_synchronization=True
+            )
         _MADE_PARTITIONS.add(parts)
     return _FLATTENED_GROUPS[members]
+
+
+_UNBINDING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _not_split_from_the_world() -> Iterator[None]:
+    """Make a group of some ranks only, even where the world group is bound to a device.
+
+    With ``init_process_group(device_id=...)`` (eager NCCL init) torch makes every new group
+    by splitting the world's communicator (``ncclCommSplit``), which every rank of the world
+    must call: a group made by its members only (another pipeline stage plans other groups,
+    or none) would wait forever. Inside this block the world group reads as unbound, so the
+    group gets a communicator of its own, set up by its members at its first collective
+    (what an unbound world does for every group). Its members still make it together."""
+    world = dist.distributed_c10d._get_default_group()
+    bound = getattr(world, "bound_device_id", None)
+    if bound is None:
+        yield
+        return
+    with _UNBINDING:
+        world.bound_device_id = None
+        try:
+            yield
+        finally:
+            world.bound_device_id = bound
+
+
+def job_timeout():
+    """The timeout the job gave ``init_process_group``, for the groups this package makes
+    (``new_group`` would otherwise take the backend's default: 10 minutes for NCCL, 30 for
+    gloo), so that a peer's failure surfaces when the job expects. ``None`` (the backend's
+    default) where the backend does not say."""
+    group = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
 
 
 def _shard_group(mesh, mesh_dims: tuple[int, ...]) -> tuple[ShardGroup, tuple[int, ...]]:

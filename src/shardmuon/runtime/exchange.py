@@ -32,7 +32,7 @@ from shardmuon.planning.groups import ShardGroup
 from shardmuon.planning.placements import MatrixLayout
 from shardmuon.runtime.telemetry import BF16_BYTES, StepStats
 
-__all__ = ["BatchExchange", "check_backends", "warmup_groups"]
+__all__ = ["BatchExchange", "backend_serving", "check_backends"]
 
 
 @dataclass
@@ -165,18 +165,6 @@ def _piece_blocks(
             yield (slice(r0, r1), slice(c0, c1)), local[lr0:lr1, lc0:lc1]
 
 
-def warmup_groups(groups: list[ShardGroup], device: torch.device) -> None:
-    """Run a tiny all-to-all on each group, so communicators exist before the first step.
-
-    On multi-node NCCL jobs the first all-to-all of a fresh communicator can deadlock when
-    ranks create it at different times inside a busy step; doing it up front avoids that.
-    """
-    for group in groups:
-        send = torch.zeros(group.size, dtype=torch.bfloat16, device=device)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group.process_group)
-
-
 # What each backend runs collectives on ("gloo" stages CUDA tensors through the host).
 _BACKEND_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "mpi": ("cpu",)}
 
@@ -190,6 +178,12 @@ def _backend_for(group: dist.ProcessGroup, device_type: str) -> tuple[str, str |
         return name, pairs.get(device_type)
     devices = _BACKEND_DEVICES.get(name)
     return name, name if devices is None or device_type in devices else None
+
+
+def backend_serving(group: dist.ProcessGroup, device_type: str) -> str | None:
+    """The backend that runs ``group``'s collectives on ``device_type`` tensors ("nccl",
+    "gloo", ...), or ``None`` if none does."""
+    return _backend_for(group, device_type)[1]
 
 
 def check_backends(groups: list[ShardGroup], device: torch.device) -> None:

@@ -35,7 +35,9 @@ import torch
 import torch.distributed as dist
 
 from shardmuon.planning.batches import MuonBatch
+from shardmuon.planning.groups import job_timeout
 from shardmuon.planning.placements import local_tensor
+from shardmuon.runtime.warmup import warm_up, warmup_sizes
 
 __all__ = [
     "OVERLAP_CHOICES",
@@ -115,24 +117,10 @@ def step_process_groups(mine: set[tuple[int, ...]]) -> dict[tuple[int, ...], dis
     gathered: list[list[tuple[int, ...]]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, sorted(mine))
     union = sorted({tuple(ranks) for part in gathered for ranks in part} - set(_STEP_GROUPS))
-    timeout = _default_timeout()
+    timeout = job_timeout()
     for ranks in union:
         _STEP_GROUPS[ranks] = dist.new_group(list(ranks), timeout=timeout)
     return {ranks: _STEP_GROUPS[ranks] for ranks in mine}
-
-
-def _default_timeout():
-    """The timeout the job gave ``init_process_group`` (``new_group`` would otherwise take
-    torch's 30-minute default): a peer's failure then surfaces as the job expects. ``None``
-    (torch's default) where the backend does not say."""
-    group = dist.distributed_c10d._get_default_group()
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        try:
-            return group._get_backend(torch.device("cuda")).options._timeout
-        except (AttributeError, RuntimeError):
-            return None
 
 
 # Every overlapped step not yet waited for, so that code which reads parameters without
@@ -239,9 +227,10 @@ class OverlappedStep:
         while not event.wait(_POLL_SECONDS):  # in slices: Ctrl-C is seen
             pass
 
-    def wait_for(self, keys: Iterable[Hashable]) -> None:
+    def wait_for(self, keys: Iterable[Hashable], streams: Sequence = ()) -> None:
         """Block until each of ``keys`` is done (raising the worker's failure); on CUDA the
-        caller's stream waits for them instead of the host."""
+        caller's stream, and each of ``streams`` (others that read the parameters: FSDP2's
+        all-gather streams), wait for them instead of the host."""
         for key in keys:
             event = self._done.get(key)
             if event is None:
@@ -250,6 +239,8 @@ class OverlappedStep:
             self._raise_if_failed()
             if self._cuda and key in self._events:
                 torch.cuda.current_stream(self._device).wait_event(self._events[key])
+                for stream in streams:
+                    stream.wait_event(self._events[key])
 
     def wait_all(self) -> None:
         """Block until the whole step is done; raise its failure if it failed."""
@@ -317,6 +308,20 @@ def _fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     except ImportError:  # pragma: no cover - torch without FSDP2
         return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp_all_gather_streams(unit: torch.nn.Module) -> list:
+    """The streams FSDP2 reads ``unit``'s sharded parameters on besides the current one:
+    its all-gather copy-in stream (and the all-gather stream after it). They wait on the
+    current stream once per forward, in the root's pre-forward, so a wait on the current
+    stream in a later unit's hook does not order them. Empty before FSDP2's lazy init (the
+    root's pre-forward then orders them after the current stream, which has waited)."""
+    try:
+        comm = unit._get_fsdp_state()._comm_ctx
+    except AttributeError:  # pragma: no cover - an FSDP2 without a comm context
+        return []
+    names = ("all_gather_copy_in_stream", "all_gather_stream")
+    return [getattr(comm, name) for name in names if hasattr(comm, name)]
 
 
 def _fsdp_prefetched(unit: torch.nn.Module) -> list[torch.nn.Module]:
@@ -561,10 +566,32 @@ class ForwardOverlap:
         self._stats = None  # the pending step's StepStats (its wait time goes there)
         self._hooked = self._warned = False
 
-    def start(self, ctx, schedule: list[ChunkKey], stager, run_step: Callable) -> None:
+    def prepare(self, plan, param_groups: Sequence[dict], warm: bool, device: torch.device) -> None:
+        """For a new ``plan``: its chunk map, and the step's own process groups (made by the
+        world together, :func:`step_process_groups`), warmed on this thread if ``warm``
+        (``runtime/warmup.py``; a callable ``warm`` is asked only then): their communicators
+        are set up here, with nothing else in flight, not by the background step beside the
+        forward's collectives."""
+        if self._chunks[0] is plan:
+            return
+        self._step_groups = step_process_groups(step_groups_of(plan.batches))
+        self._chunks = (plan, chunks_of_params(plan, param_groups))
+        if warm if isinstance(warm, bool) else warm():
+            groups = {ranks: [group] for ranks, group in self._step_groups.items()}
+            warm_up(groups, warmup_sizes(plan.batches), device)
+
+    def start(
+        self,
+        ctx,
+        schedule: list[ChunkKey],
+        stager,
+        run_step: Callable,
+        warm: bool | Callable[[], bool] = False,
+    ) -> None:
         """Run ``run_step(ctx, schedule, stager, done)`` in the background on the step's own
-        process groups, holding the grads the step began with (``p.grad = None`` meanwhile,
-        as ``zero_grad()`` does, is safe)."""
+        process groups (a new plan's made and, if ``warm``, warmed first: :meth:`prepare`),
+        holding the grads the step began with (``p.grad = None`` meanwhile, as
+        ``zero_grad()`` does, is safe)."""
         if not (self._hooked or self._warned):
             self._warned = True
             warnings.warn(
@@ -579,9 +606,7 @@ class ForwardOverlap:
         # in place too, as soon as step() returns: tensor values are copied) and the grads
         # by value (a loop may zero them in place: model.zero_grad(set_to_none=False)).
         ctx.param_groups = [snapshot_group(group) for group in ctx.param_groups]
-        if self._chunks[0] is not plan:  # a new plan: its chunks, and its step groups made
-            self._step_groups = step_process_groups(step_groups_of(plan.batches))
-            self._chunks = (plan, chunks_of_params(plan, ctx.param_groups))
+        self.prepare(plan, ctx.param_groups, warm, ctx.device)
         ctx.step_groups = self._step_groups
         ctx.grads = snapshot_grads(p for g in ctx.param_groups for p in g["params"])
         stats = ctx.stats
@@ -626,16 +651,17 @@ class ForwardOverlap:
         if pending is not None:
             pending.discard()
 
-    def wait_for_params(self, ids: Iterable[int], *_hook_args) -> None:
-        """Wait for the chunks holding the parameters ``ids`` (a failure is kept: every
-        later wait raises it until a restore)."""
+    def wait_for_params(self, ids: Iterable[int], streams: Sequence = ()) -> None:
+        """Wait for the chunks holding the parameters ``ids``; on CUDA, ``streams`` wait too
+        (see :meth:`OverlappedStep.wait_for`). A failure is kept: every later wait raises
+        it until a restore."""
         self.raise_if_failed()
         pending = self.pending
         if pending is not None:
             chunks = self._chunks[1]
             try:
                 with self._timed():
-                    pending.wait_for(key for i in ids for key in chunks.get(i, ()))
+                    pending.wait_for((key for i in ids for key in chunks.get(i, ())), streams)
             except OverlapError as err:
                 self.pending = None
                 pending.discard()
@@ -646,14 +672,15 @@ class ForwardOverlap:
         """Before an explicit ``FSDPModule.unshard()`` (a pipeline schedule's prefetch): its
         all-gather reads what the module's forward would (:meth:`before_forward`)."""
         if self.pending is not None:
-            self.wait_for_params(reads.reads(module))
+            self.wait_for_params(reads.reads(module), fsdp_all_gather_streams(module))
 
     def before_forward(self, reads: ReadMap, module: torch.nn.Module, *_hook_args) -> None:
         """A forward pre-hook: wait for what ``module``'s forward may read (:class:`ReadMap`)."""
         reads.saw_run(module)
         self.raise_if_failed()
         if self.pending is not None:
-            self.wait_for_params(reads.reads(module))
+            streams = fsdp_all_gather_streams(module) if id(module) in reads.units else ()
+            self.wait_for_params(reads.reads(module), streams)
 
     @contextlib.contextmanager
     def _timed(self):

@@ -143,10 +143,12 @@ class StepContext:
             # What the call saw, from its own normalisation: no pass over the directions.
             masks, verdicts = self.orthogonalizer.take_report()
             stats.nonfinite_counts.extend(mask.sum() for mask in masks)
+            # The guard's count and worst ratio stay on the device (read once, when asked).
             for verdict in verdicts:
                 stats.ns_checked += verdict.checked
-                stats.ns_fallbacks += verdict.fallbacks
-                stats.ns_worst_ratio = max(stats.ns_worst_ratio, verdict.worst_ratio)
+                if verdict.checked:
+                    stats.ns_fallback_counts.append(verdict.fallback_count)
+                    stats.ns_worst_ratios.append(verdict.worst_ratio_tensor)
             return out
 
         return orthogonalize_blocks(U, batch.partitions, ns)

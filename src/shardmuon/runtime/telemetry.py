@@ -32,6 +32,17 @@ def _shape_counts(shapes: list[tuple[int, ...]], most: int = 4) -> str:
     return text + (f", {rest} more shape{'s' if rest > 1 else ''}" if rest > 0 else "")
 
 
+def _reduce(values: list, on_device, on_host, empty):
+    """``values`` (0-d device tensors, or plain numbers) reduced to one number: the tensors
+    stacked and reduced on the device (``on_device``: ``torch.sum``, ``torch.max``) and read
+    with one synchronisation, then combined with the numbers (``on_host``)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    plain = [v for v in values if not isinstance(v, torch.Tensor)]
+    if tensors:
+        plain.append(on_device(torch.stack([t.reshape(()) for t in tensors])).item())
+    return on_host(plain) if plain else empty
+
+
 @dataclass(repr=False)
 class StepStats:
     """Counters of the last step on this rank.
@@ -50,7 +61,9 @@ class StepStats:
     update was skipped because their direction held inf or NaN; ``ns_checked``,
     ``ns_fallbacks``, ``ns_worst_ratio`` (with the divergence guard on): matrices whose result
     was checked, those recomputed by the safe iteration, and the largest estimated top
-    singular value over the preset's band (1.0: at the band's top).
+    singular value over the preset's band (1.0: at the band's top). The last two are read
+    from the guard's device tensors (``ns_fallback_counts``, ``ns_worst_ratios``) when asked
+    for, like ``nonfinite_matrices``.
     """
 
     bytes_sent: int = 0
@@ -67,14 +80,17 @@ class StepStats:
     offload_bytes_stored: int = 0
     offload_workspace_peak_bytes: int = 0
     ns_checked: int = 0
-    ns_fallbacks: int = 0
-    ns_worst_ratio: float = 0.0
     # overlap="forward": seconds the caller waited for this step (the next forward's hooks,
     # synchronize and everything else that waits).
     overlap_wait_seconds: float = 0.0
     # Per Newton–Schulz call, a device count of its matrices with a non-finite entry: kept
     # on the device (no synchronisation in the step) until ``nonfinite_matrices`` is read.
     nonfinite_counts: list = field(default_factory=list, repr=False)
+    # Per guarded Newton–Schulz call, the verdict's device count of recomputed matrices
+    # (int64, 0-d) and its worst ratio (fp32, 0-d): kept on the device like the counts
+    # above until ``ns_fallbacks`` / ``ns_worst_ratio`` is read.
+    ns_fallback_counts: list = field(default_factory=list, repr=False)
+    ns_worst_ratios: list = field(default_factory=list, repr=False)
 
     @property
     def nonfinite_matrices(self) -> int:
@@ -88,12 +104,25 @@ class StepStats:
             rest += int(torch.stack([c.reshape(()) for c in counts]).sum().item())
         return rest
 
+    @property
+    def ns_fallbacks(self) -> int:
+        """Matrices the divergence guard recomputed in this step. Reading it synchronises
+        with the device once (the per-call counts summed there first)."""
+        return int(_reduce(self.ns_fallback_counts, torch.sum, sum, 0))
+
+    @property
+    def ns_worst_ratio(self) -> float:
+        """The largest top singular value over the band that the guard saw in this step
+        (0.0 with no guarded call). Reading it synchronises with the device once."""
+        return float(_reduce(self.ns_worst_ratios, torch.max, max, 0.0))
+
     def __str__(self) -> str:
         """A few lines with units: what ``print(opt.last_step_stats)`` shows.
 
         The shape lists are summarized (each shape once, with its count); the replica and
         offload lines appear only when the step had such traffic. Reads
-        :attr:`nonfinite_matrices` (one synchronisation with the device).
+        :attr:`nonfinite_matrices` (one synchronisation with the device), and with the
+        divergence guard on :attr:`ns_fallbacks` and :attr:`ns_worst_ratio` (one each).
         """
         calls = len(self.ns_calls)
         lines = [
@@ -129,7 +158,9 @@ class StepStats:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        """One line: every counter by name, the lists by length (they can be thousands long)."""
+        """One line: every counter by name, the lists by length (they can be thousands long).
+        The counts held on the device are left out (reading them synchronises; ``str``
+        does)."""
         parts = []
         for f in fields(self):
             if not f.repr:
