@@ -262,3 +262,88 @@ def test_the_worker_runs_on_the_parameters_device():
     finally:
         overlap_module.OverlappedStep._run = run
     assert seen == [1]
+
+
+def _slow_stores(monkeypatch) -> None:
+    """Every offload store queued behind ~5 ms of GPU time on the store stream: a read of
+    host state that does not wait for the stores' event meets the old values."""
+    from shardmuon.runtime.offload import StateStager
+
+    store = StateStager.store
+
+    def slow(self, key):
+        if self.cuda and key in self._resident:
+            self._store_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._store_stream):
+                torch.cuda._sleep(10_000_000)
+        store(self, key)
+
+    monkeypatch.setattr(StateStager, "store", slow)
+
+
+def test_offload_with_slow_stores_is_bitwise_across_a_prefetch_change_and_a_copy(monkeypatch):
+    """Slowed stores: a changed ``offload_prefetch`` (a new stager, whose loads must wait for
+    the old one's stores) and a ``deepcopy`` of the optimizer right after a step (which must
+    wait for them) both see exactly the state of a run without offload."""
+    import copy
+
+    _slow_stores(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(256, 128)] * 3 + [(128,)]
+    init = [torch.randn(s, generator=gen) * 0.05 for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+    runs = []
+    for offload in (None, "state"):
+        params = [torch.nn.Parameter(t.cuda()) for t in init]
+        opt = Muon(
+            [dict(params=params[:3]), dict(params=params[3:], algorithm="adamw")],
+            lr=0.02, weight_decay=0.1, offload=offload, offload_prefetch=2,
+        )  # fmt: skip
+        copies = []
+        for step, step_grads in enumerate(grads):
+            for p, g in zip(params, step_grads):
+                p.grad = g.cuda()
+            opt.step()
+            copies.append(copy.deepcopy(opt))  # right after the step: its stores in flight
+            if step == 1:
+                opt.offload_prefetch = 1  # a new stager at the next step
+        states = [[{k: v.cpu() for k, v in c.state[q].items()} for q in c.state] for c in copies]
+        runs.append(([p.detach().cpu() for p in params], states))
+    (plain, plain_states), (offloaded, offloaded_states) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+    for a_step, b_step in zip(plain_states, offloaded_states):
+        for a, b in zip(a_step, b_step):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_an_overlapped_step_on_cuda_1_makes_no_context_on_cuda_0(tmp_path):
+    """In a fresh process whose parameters live on cuda:1: after overlapped steps, no primary
+    CUDA context exists on cuda:0 (the worker thread sets its device; a context on another
+    GPU costs every rank hundreds of MiB there)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import torch
+        from torch import nn
+        from shardmuon import Muon
+        model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(3))).to("cuda:1")
+        opt = Muon(model.parameters(), lr=0.02, overlap="forward")
+        opt.overlap_with(model)
+        for _ in range(3):
+            model(torch.ones(4, 64, device="cuda:1")).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        torch.cuda.synchronize("cuda:1")
+        print("context on cuda:0:", torch._C._cuda_hasPrimaryContext(0))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "context on cuda:0: False" in done.stdout, done.stdout
