@@ -5,7 +5,7 @@
 #   run(command="bash scripts/gpu-check.sh", timeout_s=480)
 # Every figure lands in a work folder that is packed into $OUT/gpu-results.tgz after each
 # step (the device tool brings back at most 8 files; a timeout keeps what was done), and
-# the whole log in $OUT/log.txt. The per-step caps sum to 635 s; the whole run took 330 s
+# the whole log in $OUT/log.txt. The per-step caps sum to 685 s; the whole run took 330 s
 # on an H200 (2026-12-04), so timeout_s=480 leaves room: a step that hangs loses the steps
 # after it, never the archive of those before.
 # Dry run on a CPU (the flags, not the figures):
@@ -53,9 +53,13 @@ $PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0) if 
   | tee "$RES/env.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv 2>/dev/null | tee -a "$RES/env.txt"
 
-step tests 100 $PY -m pytest -q -p no:cacheprovider tests/optimizer/test_cuda.py \
+# -k: the gloo worlds' tests ("distributed" in their names) stay out; the NCCL ones
+# (test_cuda_distributed.py, whose module name matches too) stay in.
+step tests 150 $PY -m pytest -q -p no:cacheprovider tests/optimizer/test_cuda.py \
+  tests/optimizer/test_cuda_distributed.py \
   tests/ops/test_newton_schulz.py tests/optimizer/test_optimizer_api.py tests/runtime/test_offload.py \
-  tests/ops/test_newton_schulz_gram.py tests/qk_clip/test_qk_clip_cuda.py -k "not distributed"
+  tests/ops/test_newton_schulz_gram.py tests/qk_clip/test_qk_clip_cuda.py \
+  -k "not distributed or test_cuda_distributed"
 SHAPES=()
 [[ -n "$NS_SHAPES" ]] && SHAPES=(--shapes "$NS_SHAPES")
 # Newton-Schulz per call on the seed's H200 shapes (the GPU default of bench ns): folded
