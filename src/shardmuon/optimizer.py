@@ -67,7 +67,7 @@ from shardmuon.runtime.state import (
     with_settings,
 )
 from shardmuon.runtime.telemetry import StepStats
-from shardmuon.runtime.warmup import wants_warmup, warm_up, warmup_sizes
+from shardmuon.runtime.warmup import plan_groups, warm_up, warmup_sizes
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.validation import (
     AGREED_SETTINGS,
@@ -209,8 +209,9 @@ class Muon(Optimizer):
             raise TypeError(f"warmup must be True, False or None (on with NCCL), got {warmup!r}")
         self.warmup_setting = warmup
         self._ensure_plan()
-        if self._wants_warmup():
-            self.warmup()
+
+    # ``warmup``, as given (a class default for copies made before it existed).
+    warmup_setting: bool | None = None
 
     def _reset_runtime(self) -> None:
         """What is derived from the settings, not part of them (rebuilt after a copy)."""
@@ -331,27 +332,20 @@ class Muon(Optimizer):
         return chunk_info(self._plan, self.param_groups, self.state, chunk)
 
     def warmup(self) -> None:
-        """Set up every process group the step uses, before the step needs it: an all-to-all
-        on each exchange group with the plan's largest piece as its per-peer message, a
-        broadcast on each group that shares results between replicas; with
-        ``overlap="forward"`` the overlapped step's own groups too (made here: a collective
-        over the world). Groups already warmed for these sizes are skipped
-        (``runtime/warmup.py``). Collective: every rank calls it together."""
+        """Set up every process group the step uses now: an all-to-all on each exchange group
+        with the plan's largest piece as its per-peer message, a broadcast on each group
+        that shares results between replicas; with ``overlap="forward"`` the overlapped
+        step's own groups too. Groups already warmed for these sizes are skipped
+        (``runtime/warmup.py``). Collective: every rank of those groups calls it together.
+        (With ``warmup`` on, the step does this itself before a plan's first step.)"""
         self._ensure_plan()
-        self._warm_plan_groups()
+        self._warm_plan_groups(True)
         if self.overlap is not None:
             self._overlap.prepare(self._plan, self.param_groups, True, self._device())
 
-    def _wants_warmup(self) -> bool:
-        self._ensure_plan()
-        groups = [g.process_group for g in agreement_groups(self._plan.batches)]
-        return wants_warmup(getattr(self, "warmup_setting", None), groups, self._device())
-
-    def _warm_plan_groups(self) -> None:
-        groups: dict[tuple[int, ...], list] = {}
-        for group in agreement_groups(self._plan.batches):
-            groups.setdefault(tuple(sorted(group.ranks)), []).append(group.process_group)
-        warm_up(groups, warmup_sizes(self._plan.batches), self._device())
+    def _warm_plan_groups(self, setting: bool | None) -> None:
+        plan = self._plan
+        warm_up(plan_groups(plan.batches), warmup_sizes(plan.batches), self._device(), setting)
 
     def _device(self) -> torch.device:
         for group in self.param_groups:
@@ -378,7 +372,7 @@ class Muon(Optimizer):
         if self.overlap is None:
             self._last_stats.workspace_peak_bytes = run_step(ctx, schedule, stager)
             return loss
-        self._overlap.start(ctx, schedule, stager, run_step, warm=self._wants_warmup)
+        self._overlap.start(ctx, schedule, stager, run_step, warm=self.warmup_setting)
         if self._optimizer_step_post_hooks or _global_optimizer_post_hooks:
             self._wait_for_post_hooks()
         return loss
@@ -491,8 +485,10 @@ class Muon(Optimizer):
         schedule = self._step_schedule()
         if self.check_grads == "always" or not self._plan_verified:
             self._check_agreement()
-            if not self._plan_verified and self._wants_warmup():
-                self._warm_plan_groups()  # a new plan's groups (warmed ones are skipped)
+            if not self._plan_verified:
+                # A new plan's groups (warmed ones are skipped), once the ranks agreed on
+                # the plan and on the setting: they all warm the same groups in one order.
+                self._warm_plan_groups(self.warmup_setting)
             self._calibrate_auto()
             self._plan_verified = True
             self._agreed_groups = agreement_groups(self._plan.batches)
@@ -513,7 +509,7 @@ class Muon(Optimizer):
         made on some ranks only raises on all of them instead of diverging or hanging."""
         if not self._agreed_groups:
             return
-        settings = self._settings(AGREED_SETTINGS)
+        settings = {**self._settings(AGREED_SETTINGS), "warmup": self.warmup_setting}
         # One spelling per dtype ("float32" is torch.float32); a bad value as it is.
         with contextlib.suppress(TypeError, ValueError):
             settings["newton_schulz_dtype"] = str(resolve_ns_dtype(self.newton_schulz_dtype))
@@ -535,6 +531,7 @@ class Muon(Optimizer):
         """Every group's ranks agree on batches, settings and grads (see ``runtime/agreement.py``)."""
         ns = self._newton_schulz_settings()  # one spelling per value: "float32" is torch.float32
         settings = {**self._settings(AGREED_SETTINGS), "coefficients": ns.coefficients}
+        settings["warmup"] = self.warmup_setting  # every rank warms the same groups
         settings["newton_schulz_dtype"] = str(ns.dtype)
         compare_grads = self.check_grads != "never"
         ops, device = self._step_schedule(), self._device()

@@ -70,9 +70,13 @@ __all__ = [
     "route_name",
 ]
 
+# The label (in RoutedParams.labels) of the main Muon group's parameters.
 MUON = "muon"
+# The label of MoE expert stacks: a Muon group of their own.
 MUON_EXPERTS = "muon_experts"
+# The label of routers: a Muon group of their own.
 MUON_ROUTER = "muon_router"
+# The label of the AdamW group: norms, biases, embeddings, the output head.
 ADAMW = "adamw"
 GROUP_ORDER = (MUON, MUON_EXPERTS, MUON_ROUTER, ADAMW)
 

@@ -6,21 +6,23 @@ its simulated world size, a 2-D layout without ``--mesh`` says which mesh it cho
 the bar names the phase after the timed steps. Plots: ``bench ns`` tick labels do not collide
 and name the device, ``bench ab`` has integer steps and a legend over no line, ``bench plan``
 has its ratio line in the legend. ``train --layout fsdp-tp`` prints no FSDP "view tensor"
-warning. ``print(opt.last_step_stats)`` reads as a summary.
+warning. ``print(opt.last_step_stats)`` reads as a summary. ``--version`` names shardmuon's
+version (pyproject's) and torch's.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import matplotlib
 import numpy as np
 import pytest
 import torch
+from cli_walk import all_parsers
 
 from shardmuon.cli import build_parser, main
 from shardmuon.runtime.telemetry import StepStats
@@ -103,16 +105,8 @@ def test_stray_positional_argument_is_reported_by_its_command(capsys):
     assert "shardmuon bench step: error: unrecognized argument: extra" in err, err
 
 
-def _parsers(parser: argparse.ArgumentParser):
-    yield parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                yield from _parsers(sub)
-
-
 def test_every_parser_refuses_abbreviations():
-    parsers = list(_parsers(build_parser()))
+    parsers = list(all_parsers(build_parser()))
     names = {p.prog for p in parsers}
     assert {"shardmuon bench step", "shardmuon bench plan", "shardmuon train plot"} <= names
     assert all(p.allow_abbrev is False for p in parsers), [p.prog for p in parsers]
@@ -466,3 +460,57 @@ def test_train_fsdp_tp_without_mesh_says_which_mesh(monkeypatch, capsys):
         "--layout fsdp-tp: mesh 2x2 for --nproc 4 (FSDP over 2, tensor parallel over 2); "
         "--mesh DPxTP chooses another"
     ) in err, err
+
+
+# ------------------------------------------------------------------------------ version
+
+
+def _pyproject_version() -> str:
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        return re.search(r'^version = "([^"]+)"', text, re.MULTILINE).group(1)
+    return tomllib.loads(text)["project"]["version"]
+
+
+def test_version_prints_shardmuon_and_torch_versions(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"shardmuon {_pyproject_version()} (torch {torch.__version__})\n"
+    assert captured.err == ""
+    assert "--version" in build_parser().format_help()
+
+
+@pytest.mark.parametrize("how", ["module", "script"])
+def test_version_from_the_command_line_exits_0(how, tmp_path):
+    if how == "module":
+        command = [sys.executable, "-m", "shardmuon"]
+    else:
+        script = Path(sys.executable).with_name("shardmuon")
+        if not script.exists():
+            pytest.skip(f"no shardmuon script beside {sys.executable}")
+        command = [str(script)]
+    proc = subprocess.run(
+        [*command, "--version"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"shardmuon {_pyproject_version()} (torch {torch.__version__})\n"
+
+
+def test_version_is_pyprojects_installed_or_not(monkeypatch):
+    import importlib.metadata
+
+    import shardmuon
+
+    # Installed: the distribution's metadata (a stale editable install fails here: reinstall).
+    assert shardmuon.__version__ == _pyproject_version()
+
+    # A source tree on the path without an install: read from pyproject.toml.
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert shardmuon._version() == _pyproject_version()

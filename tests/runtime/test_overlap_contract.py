@@ -449,19 +449,55 @@ class _StandInStream:
         self.waited.append(event)
 
 
-def test_a_wait_orders_every_stream_that_reads_the_parameters(monkeypatch):
-    """On CUDA a wait is a stream wait on the chunk's event: the caller's stream and every
-    other stream given (FSDP2's all-gather copy-in and all-gather streams) wait on exactly
-    the events of the chunks asked for (stand-in streams and events on a CPU)."""
-    keys = [("batch", 0), ("batch", 1), ("adamw", 0)]
+def _finished_step_with_stand_in_events(monkeypatch, keys):
+    """A finished overlapped step made to look like a CUDA one: one stand-in event per
+    chunk, and a stand-in for the caller's current stream (returned with it)."""
     step = overlap_module.OverlappedStep(
         lambda done: [done(k) for k in keys], keys, torch.device("cpu")
     )
     step.join()
     step._cuda = True
     step._events = {k: f"event of {k}" for k in keys}
-    current, copy_in, gather = _StandInStream(), _StandInStream(), _StandInStream()
+    current = _StandInStream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    return step, current
+
+
+def test_a_wait_orders_every_stream_that_reads_the_parameters(monkeypatch):
+    """On CUDA a wait is a stream wait on the chunk's event: the caller's stream and every
+    other stream given (FSDP2's all-gather copy-in and all-gather streams) wait on exactly
+    the events of the chunks asked for (stand-in streams and events on a CPU)."""
+    keys = [("batch", 0), ("batch", 1), ("adamw", 0)]
+    step, current = _finished_step_with_stand_in_events(monkeypatch, keys)
+    copy_in, gather = _StandInStream(), _StandInStream()
     step.wait_for([("batch", 1), ("adamw", 0)], [copy_in, gather])
     wanted = ["event of ('batch', 1)", "event of ('adamw', 0)"]
+    assert current.waited == copy_in.waited == gather.waited == wanted
+
+
+def test_synchronize_orders_fsdp2s_all_gather_streams_after_the_whole_step(monkeypatch):
+    """After ``synchronize()`` no hook waits, and FSDP2's root pre-forward orders its
+    all-gather streams after the current stream only, or only after an event the caller
+    gave (``set_post_optim_event``) that may predate the step's end: so ``synchronize``
+    makes those streams of every hooked model's units wait for every chunk too (stand-in
+    streams and events on a CPU)."""
+    import types
+    import weakref
+
+    keys = [("batch", 0), ("adamw", 0)]
+    step, current = _finished_step_with_stand_in_events(monkeypatch, keys)
+    copy_in, gather = _StandInStream(), _StandInStream()
+    comm = types.SimpleNamespace(all_gather_copy_in_stream=copy_in, all_gather_stream=gather)
+    state = types.SimpleNamespace(_comm_ctx=comm)
+
+    class Unit(nn.Module):
+        def _get_fsdp_state(self):
+            return state
+
+    units = [Unit(), Unit()]  # two units, one comm context: each stream waits once per event
+    overlap = overlap_module.ForwardOverlap()
+    overlap._units = [weakref.ref(u) for u in units]
+    overlap.pending, overlap._stats = step, types.SimpleNamespace(overlap_wait_seconds=0.0)
+    overlap.synchronize()
+    wanted = [f"event of {k}" for k in keys]
     assert current.waited == copy_in.waited == gather.waited == wanted

@@ -28,7 +28,7 @@ def test_warmup_is_on_by_default_where_nccl_runs_the_collectives(
 ):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(warmup_module, "backend_serving", lambda group, kind: backend)
-    assert wants_warmup(setting, [object()], torch.device(device)) is expected
+    assert wants_warmup(setting, object(), torch.device(device)) is expected
 
 
 def test_each_group_object_is_warmed_once_and_again_for_larger_messages(monkeypatch):

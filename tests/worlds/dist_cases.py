@@ -495,8 +495,9 @@ def _ns_reference(u: torch.Tensor, partitions: tuple[int, ...] | None) -> torch.
 @case("warmup_every_group")
 def _warmup(ctx: Context) -> None:
     """``warmup()`` runs one all-to-all on each shard group the parameters imply, no other,
-    whose per-peer message is the largest piece over that group; a second optimizer over the
-    same groups (``warmup=True``) finds them warmed and runs none; the default on gloo none."""
+    whose per-peer message is the largest piece over that group; building an optimizer runs
+    none (with ``warmup=True`` it warms before its first step, once the ranks agree), nor
+    does the default on gloo."""
     from shardmuon.runtime import warmup as warmup_module
 
     warmup_module._WARMED.clear()  # what earlier cases of this world warmed

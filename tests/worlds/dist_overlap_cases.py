@@ -306,45 +306,54 @@ def fsdp2_all_gather_streams_wait_too(ctx: Context) -> None:
 
 
 def warmup_sets_every_group_up_before_the_background_step(ctx: Context) -> None:
-    """``warmup=True`` (the default with NCCL): construction warms the plan's groups and the
-    overlapped step's own groups (other group objects over the same ranks: each warmed), on
-    the calling thread; the background step's first collective on every group it uses then
-    meets a group already set up. The default on gloo warms nothing."""
+    """``warmup=True`` (the default with NCCL): the first ``step()`` of a plan, once the ranks
+    agreed, warms the plan's groups and the overlapped step's own groups (other group objects
+    over the same ranks: each warmed), on the calling thread before the background step
+    starts, so the background step's first collective on every group it uses meets a group
+    already set up; later steps warm nothing. Building the optimizer, and the default on
+    gloo, warm nothing."""
     import threading
 
     from shardmuon.runtime import warmup as warmup_module
 
     warmup_module._WARMED.clear()
-    calls: list[tuple[str, int, int]] = []  # (thread, id(group), elements)
-    originals = dist.all_to_all_single, dist.broadcast
+    calls: list[tuple[str, int]] = []  # (thread, id(group))
+    original = dist.all_to_all_single
 
     def all_to_all(output, input, *args, group=None, **kwargs):
-        calls.append((threading.current_thread().name, id(group), input.numel()))
-        return originals[0](output, input, *args, group=group, **kwargs)
+        calls.append((threading.current_thread().name, id(group)))
+        return original(output, input, *args, group=group, **kwargs)
 
     dist.all_to_all_single = all_to_all
     try:
         model = _fully_shard(ctx.mesh)(_layers())
-        quiet = _optimizer(model, overlap="forward")  # warmup=None on gloo: nothing
-        assert calls == [], calls
+        quiet = _optimizer(model, overlap="forward")  # warmup=None on gloo
         opt = _optimizer(model, overlap="forward", warmup=True)
+        assert calls == [], calls
         opt.overlap_with(model)
-        warmed = {group for thread, group, _ in calls if thread == "MainThread"}
-        assert len(calls) == len(warmed), calls  # each group once
-        assert all(thread == "MainThread" for thread, _, _ in calls), calls
+        _train(ctx, model, opt, range(1))
+        opt.synchronize()
+        main = [group for thread, group in calls if thread == "MainThread"]
+        assert len(main) == len(set(main)), calls  # each group warmed once
         step_groups = {id(g) for g in opt._overlap._step_groups.values()}
         plan_groups = {id(ctx.mesh.get_group(0))}
         assert step_groups and step_groups.isdisjoint(plan_groups)
-        assert step_groups | plan_groups <= warmed, (step_groups, plan_groups, warmed)
+        assert step_groups | plan_groups <= set(main), (step_groups, plan_groups, calls)
+        for k, (thread, group) in enumerate(calls):
+            if thread != "MainThread":  # the background step's: warmed before it
+                assert (("MainThread", group)) in calls[:k], calls
         before = len(calls)
-        _train(ctx, model, opt, range(2))
+        _train(ctx, model, opt, range(1, 3))
         opt.synchronize()
-        background = [group for thread, group, _ in calls[before:] if thread != "MainThread"]
-        assert background and set(background) <= step_groups, calls[before:]
-        assert all(thread != "MainThread" for thread, _, _ in calls[before:]), "warmed twice"
-        del quiet
+        assert all(thread != "MainThread" for thread, _ in calls[before:]), "warmed twice"
+        for thread, group in calls:
+            assert thread == "MainThread" or group in step_groups, calls
+        quiet_calls = len(calls)
+        _train(ctx, model, quiet, range(1))
+        quiet.synchronize()
+        assert all(t != "MainThread" for t, _ in calls[quiet_calls:]), "gloo default warmed"
     finally:
-        dist.all_to_all_single = originals[0]
+        dist.all_to_all_single = original
 
 
 def step_groups_made_once_and_a_local_optimizer_asks_nobody(ctx: Context) -> None:

@@ -92,6 +92,25 @@ def _engines(text: str) -> tuple[str, ...]:
     return names
 
 
+# What --help prints: plain words and an example. The module docstring keeps the full
+# account, in the markup the API docs read.
+_DESCRIPTION = """\
+Muon against AdamW, and every Newton-Schulz engine against Muon's default, on
+byte-level language-model pretraining (the runs of shardmuon train --task lm).
+
+Sweeps AdamW's lrs (--adamw-lrs), then Muon's (--muon-lrs), then the lr of Muon's
+AdamW group (--muon-adamw-lrs) at Muon's best lr, then each of --engines at Muon's
+best pair, --seeds seeds each. A run that diverges is recorded as such and the sweep
+goes on.
+
+Prints the final held-out loss of every run, and per setting the steps it needs to
+reach AdamW's best loss and its median step time. --plot writes three PNGs.
+
+Example:
+  shardmuon bench lm --steps 150 --seeds 2 --json lm.json --plot lm.png
+"""
+
+
 def add_parser(subparsers) -> None:
     """Register ``lm`` on ``subparsers`` (an argparse sub-parsers action)."""
     from shardmuon.train.config import LM_DEFAULTS
@@ -99,7 +118,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "lm",
         help="Muon vs AdamW and every engine on byte-level LM pretraining (held-out loss)",
-        description=__doc__,
+        description=_DESCRIPTION,
         formatter_class=HelpFormatter,
         allow_abbrev=False,
     )
@@ -198,15 +217,73 @@ def sweep_configs(base, setting: str, optimizer: str, lr: float, seeds: int, **c
     return configs
 
 
-def _run_all(configs) -> list[dict[str, Any]]:
-    """Train every config (one set of ranks for all); one row per run, each diverged one
-    noted on stderr."""
-    from shardmuon.train.launch import run_sequentially, spawn_runs
+class _Sweep:
+    """Where the sweep stands, for the time estimate and for what Ctrl-C reports: the runs
+    of the whole command, those finished, and the runs now on the ranks."""
 
+    def __init__(self, args: argparse.Namespace, runs: int, base) -> None:
+        from shardmuon.harness.jobs import start_job
+
+        self.args, self.runs, self.base = args, runs, base
+        self.rows: list[dict[str, Any]] = []
+        self.counter: Any = [0, 0]
+        self.job = start_job("shardmuon bench lm")
+        self.job.done = self.done
+        self.job.partial = self.write_partial
+
+    def done(self) -> str:
+        finished = len(self.rows) + self.counter[0]
+        now = f", step {self.counter[1]} of the next" if self.counter[1] else ""
+        return f"{finished} of {self.runs} runs{now}"
+
+    def estimates(self, configs) -> dict:
+        """The estimate of the first run of the first sweep (the whole command, Muon's
+        steps counted at AdamW's cost) and of Muon's first (what is left)."""
+        from shardmuon.train.loop import EstimatePlan, evaluations
+
+        later = self.runs - len(self.rows) - 1
+        per_run = evaluations(self.base) + 1  # and the one at step 0
+        if not self.rows:
+            basis = "; Muon's steps counted at AdamW's cost until timed"
+            plan = EstimatePlan(
+                "shardmuon bench lm", later * self.base.steps, later * per_run, basis,
+                min_seconds=0,  # the header said an estimate follows
+            )  # fmt: skip
+            return {0: plan}
+        if configs[0].optimizer == "muon" and all(r["optimizer"] == "adamw" for r in self.rows):
+            plan = EstimatePlan(
+                "shardmuon bench lm", later * self.base.steps, later * per_run, left=True
+            )
+            return {0: plan}
+        return {}
+
+    def write_partial(self) -> str | None:
+        """The finished runs to ``--json`` (no summary: the sweep did not get to its end)."""
+        if not (self.args.json and self.rows):
+            return None
+        from shardmuon.bench.report import environment
+
+        environ = environment(world_size=self.args.nproc, argv=getattr(self.args, "argv", None))
+        payload = {"benchmark": "lm", "interrupted": True, "environment": environ,
+                   "runs": self.rows}  # fmt: skip
+        write_json(self.args.json, payload)
+        return f"{self.args.json} ({len(self.rows)} of {self.runs} runs)"
+
+
+def _run_all(configs, sweep: _Sweep | None = None) -> list[dict[str, Any]]:
+    """Train every config (one set of ranks for all); one row per run, each diverged one
+    noted on stderr. ``sweep``: gets the time estimates, follows the runs."""
+    from shardmuon.train.launch import new_counter, run_sequentially, spawn_runs
+
+    estimates = sweep.estimates(configs) if sweep else None
+    counter = new_counter(shared=configs[0].nproc > 1)
+    if sweep is not None:
+        sweep.counter = counter
     if configs[0].nproc == 1:
-        results = run_sequentially([(config, None) for config in configs], 0, 1)
+        runs = [(config, None) for config in configs]
+        results = run_sequentially(runs, 0, 1, estimates, counter)
     else:
-        results = spawn_runs(configs)
+        results = spawn_runs(configs, estimates, counter)
     rows = []
     for config, result in zip(configs, results):
         stop = result.diverged or {}
@@ -238,10 +315,13 @@ def _run_all(configs) -> list[dict[str, Any]]:
                 "clipped_heads": [result.clipped_heads[s] for s in sorted(result.clipped_heads)],
             }
         )
+    if sweep is not None:
+        sweep.rows += rows
+        sweep.counter = [0, 0]
     return rows
 
 
-def _run_at_muons_best(base, args, rows, others) -> list[dict[str, Any]]:
+def _run_at_muons_best(base, args, rows, others, sweep: _Sweep) -> list[dict[str, Any]]:
     """The runs at Muon's best lr: its AdamW group at ``others``, then, at the best pair,
     each of ``--engines``."""
     _, muon_lr, _ = best_key(rows, "muon")
@@ -252,7 +332,8 @@ def _run_at_muons_best(base, args, rows, others) -> list[dict[str, Any]]:
                 c
                 for group_lr in others
                 for c in sweep_configs(base, "muon", "muon", muon_lr, args.seeds, adamw_lr=group_lr)
-            ]
+            ],
+            sweep,
         )
     _, muon_lr, adamw_lr = best_key(rows + more, "muon")
     engine_configs = []
@@ -264,7 +345,7 @@ def _run_at_muons_best(base, args, rows, others) -> list[dict[str, Any]]:
             base, name, "muon", muon_lr, args.seeds, adamw_lr=adamw_lr, optim=optim
         )
     if engine_configs:
-        more += _run_all(engine_configs)
+        more += _run_all(engine_configs, sweep)
     return more
 
 
@@ -275,24 +356,28 @@ def run(args: argparse.Namespace) -> int:
     base.validate()  # the corpus, the process count, the model's positions: before any run
     first, *others = args.muon_adamw_lrs
     runs = len(args.adamw_lrs) + len(args.muon_lrs) + len(others) + len(args.engines)
+    sweep = _Sweep(args, runs * args.seeds, base)
     note(
         f"shardmuon bench lm: {runs * args.seeds} runs of {args.steps} steps at "
         f"{args.nproc} rank(s): AdamW lrs {list(args.adamw_lrs)}, Muon lrs "
         f"{list(args.muon_lrs)} (AdamW group {first}), Muon's AdamW group {others}, then "
-        f"{len(args.engines)} engine settings"
+        f"{len(args.engines)} engine settings; their time is estimated after the first "
+        "run's first steps"
     )
     rows = _run_all(
-        [c for lr in args.adamw_lrs for c in sweep_configs(base, "adamw", "adamw", lr, args.seeds)]
+        [c for lr in args.adamw_lrs for c in sweep_configs(base, "adamw", "adamw", lr, args.seeds)],
+        sweep,
     )
     rows += _run_all(
         [
             c
             for lr in args.muon_lrs
             for c in sweep_configs(base, "muon", "muon", lr, args.seeds, adamw_lr=first)
-        ]
+        ],
+        sweep,
     )
     if best_key(rows, "muon") is not None:
-        rows += _run_at_muons_best(base, args, rows, others)
+        rows += _run_at_muons_best(base, args, rows, others, sweep)
     summary = summarize(rows, args.qk_clip_threshold)
     for name in summary["every_run_diverged"]:
         skipped = " (no AdamW-group or engine runs)" if name == "muon" else ""

@@ -6,12 +6,15 @@ achieved TFLOP/s of the folded one, that rate as a fraction of a plain bf16 GEMM
 in the same run, and the relative error of both against the float64 iteration. A second
 table gives the Gram iteration (its default restart): time, time and FLOPs (exact counts,
 restarts included) over the folded iteration's, error, and the divergence guard's verdict.
+A figure whose timed repeats disagree by more than 2x (slowest over fastest) gets a warning
+naming its shape, and its row ``"unstable": true`` in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import time
 from typing import Any
 
 import torch
@@ -22,13 +25,16 @@ from shardmuon.bench.ns_measure import (
     kind_inputs,
     measure_engine,
     measure_shape,
+    newton_schulz_flops,
 )
 from shardmuon.bench.report import (
+    environment,
     fmt,
     new_progress,
     print_legend,
     print_table,
     set_threads,
+    write_json,
     write_outputs,
 )
 from shardmuon.harness.cli_support import (
@@ -39,6 +45,7 @@ from shardmuon.harness.cli_support import (
     positive_int,
     seed_int,
 )
+from shardmuon.harness.jobs import estimate_line, start_job
 from shardmuon.harness.machine import DTYPES, fp16_cpu_note
 from shardmuon.ops.newton_schulz import (
     NS_PRESETS,
@@ -50,6 +57,7 @@ __all__ = [
     "add_parser",
     "parse_shapes",
     "run",
+    "unstable_warning",
 ]
 
 # The MoE and attention shapes of a 30B-A3B model (the H200 reference timings are for
@@ -143,12 +151,27 @@ def parse_dtypes(text: str) -> list[torch.dtype]:
     return [DTYPES[n] for n in names]
 
 
+# What --help prints: plain words and an example. The module docstring keeps the full
+# account, in the markup the API docs read.
+_DESCRIPTION = """\
+Newton-Schulz per call: shardmuon's folded iteration against the unfolded one, and the
+Gram iteration, on each --shapes shape and --coefficients preset.
+
+Prints milliseconds per call, the speed-up, the achieved TFLOP/s as a share of a plain
+GEMM, and each result's error against a float64 iteration. A shape whose timed calls
+disagree by more than 2x is named in a warning and marked unstable in --json.
+
+Example:
+  shardmuon bench ns --shapes 8x256x512,1024x2048 --repeats 5 --json ns.json
+"""
+
+
 def add_parser(subparsers) -> None:
     """Register ``ns`` on ``subparsers`` (an argparse sub-parsers action)."""
     p = subparsers.add_parser(
         "ns",
         help="Newton-Schulz per call: folded vs unfolded, TFLOP/s, error vs fp64",
-        description=__doc__,
+        description=_DESCRIPTION,
         formatter_class=HelpFormatter,
         allow_abbrev=False,
     )
@@ -218,6 +241,17 @@ def run(args: argparse.Namespace) -> int:
 
     rows: list[dict[str, Any]] = []
     engines: list[dict[str, Any]] = []
+    job = start_job("shardmuon bench ns")
+    units = len(shapes) * len(presets)
+    job.done = lambda: f"{len(rows)} of {units} shapes" if rows else ""
+    job.partial = lambda: _write_partial(args, rows, engines, units)
+    # The work of a shape grows with its FLOPs: the first one timed gives the others'.
+    flops = {
+        (preset, shape): newton_schulz_flops(shape, len(NS_PRESETS[preset]))
+        for preset in presets
+        for shape in shapes
+    }
+    began = time.perf_counter()
     with new_progress(not args.no_progress) as progress:
         task = (
             progress.add_task("Newton-Schulz", total=len(shapes) * len(presets) * (1 + len(dtypes)))
@@ -230,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(
                     measure_shape(shape, preset, device, args.repeats, args.seed, reference)
                 )
+                _warn_if_unstable(rows[-1])
                 if progress:
                     progress.advance(task)
                 kinds = kind_inputs(shape, preset, device, args.seed)
@@ -237,8 +272,18 @@ def run(args: argparse.Namespace) -> int:
                     engines.append(
                         measure_engine(shape, preset, dtype, device, args.repeats, args.seed, kinds)
                     )
+                    _warn_if_unstable(engines[-1])
                     if progress:
                         progress.advance(task)
+                if len(rows) == 1:
+                    seconds = (time.perf_counter() - began) * sum(flops.values())
+                    line = estimate_line(
+                        "bench ns",
+                        seconds / flops[preset, shape],
+                        f"{'x'.join(map(str, shape))} measured, the others scaled by their FLOPs",
+                    )
+                    if line:
+                        note(line)
 
     # One table per preset keeps the table narrow enough for 80 columns.
     for preset in presets:
@@ -340,6 +385,52 @@ def run(args: argparse.Namespace) -> int:
         "Newton-Schulz per call",
     )
     return 0
+
+
+def _write_partial(
+    args: argparse.Namespace, rows: list[dict], engines: list[dict], units: int
+) -> str | None:
+    """The shapes measured so far to ``--json``, marked ``"interrupted"``."""
+    if not (args.json and rows):
+        return None
+    environ = environment(argv=getattr(args, "argv", None))
+    payload = {"benchmark": "ns", "interrupted": True, "environment": environ,
+               "results": rows, "engines": engines}  # fmt: skip
+    write_json(args.json, payload)
+    return f"{args.json} ({len(rows)} of {units} shapes)"
+
+
+def _ms(value: float) -> str:
+    """``9.0 ms``, ``87 ms``, ``0.12 ms``: two significant digits, enough to see a spread."""
+    if value >= 10:
+        return f"{value:.0f} ms"
+    return f"{value:.1f} ms" if value >= 1 else f"{value:.2g} ms"
+
+
+def unstable_warning(row: dict[str, Any]) -> str | None:
+    """The warning for a row whose timed repeats disagreed by more than
+    :data:`~shardmuon.bench.ns_measure.UNSTABLE_RATIO` (``None`` when they agreed): the
+    shape, the call with the widest spread, and its fastest and slowest repeat."""
+    calls = row.get("unstable_calls_ms") or {}
+    if not calls:
+        return None
+
+    def ratio(item: tuple[str, list[float]]) -> float:
+        fastest, slowest = item[1]
+        return slowest / fastest if fastest > 0 else math.inf
+
+    name, (fastest, slowest) = max(calls.items(), key=ratio)
+    what = ", ".join(x for x in (name, row.get("dtype"), row["preset"]) if x)
+    return (
+        f"bench ns: warning: timings of {tuple(row['shape'])} ({what}) varied {_ms(fastest)} - "
+        f"{_ms(slowest)}: the machine was likely busy; rerun or raise --repeats"
+    )
+
+
+def _warn_if_unstable(row: dict[str, Any]) -> None:
+    line = unstable_warning(row)
+    if line:
+        note(line)
 
 
 def _device_label(device: torch.device) -> str:

@@ -4,13 +4,15 @@ standard and the Gram iteration per input kind, and the exact FLOP counts they u
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from shardmuon.bench.common import relative_difference
 from shardmuon.bench.matrices import INPUT_KINDS, make_inputs, relative_error
-from shardmuon.bench.report import median_time
+from shardmuon.bench.report import repeat_times
 from shardmuon.harness.machine import DTYPE_NAMES
 from shardmuon.ops.newton_schulz import (
     NS_PRESETS,
@@ -27,6 +29,7 @@ from shardmuon.ops.newton_schulz_gram import (
 from shardmuon.ops.newton_schulz_guard import guarded
 
 __all__ = [
+    "UNSTABLE_RATIO",
     "gemm_flops",
     "input_and_reference",
     "kind_inputs",
@@ -34,6 +37,28 @@ __all__ = [
     "measure_shape",
     "newton_schulz_flops",
 ]
+
+
+# Timed repeats of one call further apart than this (slowest over fastest) were disturbed:
+# another job had the cores or the GPU for part of them, so the median may not be this
+# machine's speed. Undisturbed repeats of these calls agree within a few tens of percent.
+UNSTABLE_RATIO = 2.0
+
+
+def _median_time(
+    name: str,
+    fn: Callable[[], Any],
+    device: torch.device,
+    repeats: int,
+    unstable: dict[str, list[float]],
+) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` timed calls; when they disagree by more
+    than :data:`UNSTABLE_RATIO`, ``unstable[name]`` gets their ``[fastest, slowest]`` in ms."""
+    times = repeat_times(fn, device, repeats)
+    fastest, slowest = min(times), max(times)
+    if slowest > UNSTABLE_RATIO * fastest:
+        unstable[name] = [fastest * 1e3, slowest * 1e3]
+    return statistics.median(times)
 
 
 def _dims(shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -78,13 +103,16 @@ def measure_shape(
     :func:`input_and_reference`'s pair, when the caller has it already."""
     G, ref = reference or input_and_reference(shape, preset, device, seed)
     iterations = len(NS_PRESETS[preset])
-    folded_s = median_time(lambda: newton_schulz(G, preset), device, repeats)
-    unfolded_s = median_time(lambda: newton_schulz_unfolded(G, preset), device, repeats)
+    unstable: dict[str, list[float]] = {}
+    folded_s = _median_time("folded", lambda: newton_schulz(G, preset), device, repeats, unstable)
+    unfolded_s = _median_time(
+        "unfolded", lambda: newton_schulz_unfolded(G, preset), device, repeats, unstable
+    )
     X = G.to(torch.bfloat16).reshape(-1, G.size(-2), G.size(-1))
     if X.size(-2) > X.size(-1):
         X = X.mT
     Xt = X.mT.contiguous()
-    gemm_s = median_time(lambda: torch.bmm(X, Xt), device, repeats)
+    gemm_s = _median_time("gemm", lambda: torch.bmm(X, Xt), device, repeats, unstable)
     flops = newton_schulz_flops(shape, iterations)
     gemm_rate = gemm_flops(shape) / gemm_s
     folded_rate = flops / folded_s
@@ -101,6 +129,8 @@ def measure_shape(
         "fraction_of_gemm": folded_rate / gemm_rate,
         "rel_error_folded": relative_difference(newton_schulz(G, preset), ref),
         "rel_error_unfolded": relative_difference(newton_schulz_unfolded(G, preset), ref),
+        "unstable": bool(unstable),
+        "unstable_calls_ms": unstable,
     }
 
 
@@ -134,8 +164,13 @@ def measure_engine(
     iterations = len(NS_PRESETS[preset])
     batch, m, n = _dims(shape)
     restarts = default_restarts(iterations)
-    standard_s = median_time(lambda: newton_schulz(G, preset, dtype=dtype), device, repeats)
-    gram_s = median_time(lambda: newton_schulz_gram(G, preset, dtype=dtype), device, repeats)
+    unstable: dict[str, list[float]] = {}
+    standard_s = _median_time(
+        "standard", lambda: newton_schulz(G, preset, dtype=dtype), device, repeats, unstable
+    )
+    gram_s = _median_time(
+        "gram", lambda: newton_schulz_gram(G, preset, dtype=dtype), device, repeats, unstable
+    )
     errors = []
     for kind, (X, ref) in kinds.items():
         gram_out = newton_schulz_gram(X, preset, dtype=dtype)
@@ -163,4 +198,6 @@ def measure_engine(
         "gram_flops_ratio": gram_flops(m, n, iterations, restarts)
         / standard_flops(m, n, iterations),
         "errors": errors,
+        "unstable": bool(unstable),
+        "unstable_calls_ms": unstable,
     }

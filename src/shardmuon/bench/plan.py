@@ -246,12 +246,29 @@ def parse_meshes(text: str | None, count: int) -> list[tuple[int, ...] | None]:
     return meshes
 
 
+# What --help prints: plain words and an example. The module docstring keeps the full
+# account, in the markup the API docs read.
+_DESCRIPTION = """\
+The optimizer's plan for a real model at any size, worked out in this one process:
+nothing is allocated, started or stepped. For each simulated world size the model is
+built without memory, laid out as training lays it out, and Muon plans its batches.
+
+Prints one row per world size: the all-to-all gigabytes a rank sends per step (max and
+mean over ranks), the Newton-Schulz work of the busiest rank and how even the load is,
+and the optimizer's workspace peak. Columns are explained under the table and in
+docs/benchmarks.md.
+
+Example:
+  shardmuon bench plan --model glm-4.5-air --world-size 8,64,256,1024 --json plan.json
+"""
+
+
 def add_parser(subparsers) -> None:
     """Register ``plan`` on ``subparsers`` (an argparse sub-parsers action)."""
     p = subparsers.add_parser(
         "plan",
         help="the plan at any scale, without running it: all-to-all GB, NS load balance",
-        description=__doc__,
+        description=_DESCRIPTION,
         formatter_class=HelpFormatter,
         allow_abbrev=False,
     )

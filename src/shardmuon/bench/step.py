@@ -156,12 +156,28 @@ def parse_impls(text: str | None, world_size: int, layout: str) -> tuple[list[st
     return impls, skipped
 
 
+# What --help prints: plain words and an example. The module docstring keeps the full
+# account, in the markup the API docs read.
+_DESCRIPTION = """\
+The optimizer step on a real model layout, shardmuon beside the other implementations:
+step time, memory and all-to-all bytes. Every implementation gets the same random
+weights and gradients, on --nproc processes laid out as in training (--layout).
+
+Prints two tables with a row per implementation: step time (median, first step,
+Newton-Schulz share), then memory peak and all-to-all traffic; --json and --plot write
+the figures. docs/benchmarks.md explains the columns.
+
+Example:
+  shardmuon bench step --model tiny-moe --nproc 2 --layout fsdp --steps 12
+"""
+
+
 def add_parser(subparsers) -> None:
     """Register ``step`` on ``subparsers`` (an argparse sub-parsers action)."""
     p = subparsers.add_parser(
         "step",
         help="optimizer step time, memory and all-to-all bytes (default)",
-        description=__doc__,
+        description=_DESCRIPTION,
         formatter_class=HelpFormatter,
         allow_abbrev=False,
     )

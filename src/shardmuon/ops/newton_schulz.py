@@ -100,6 +100,8 @@ def with_input_scaled(coefficients: Coefficients, scale: float) -> Coefficients:
     return ((a / scale, b / scale**3, c / scale**5), *rest)
 
 
+# The Newton-Schulz coefficient presets by name, one (a, b, c) triple per iteration: what
+# ``newton_schulz_coefficients="<name>"`` runs (``"dion"`` when none is given).
 NS_PRESETS: dict[str, Coefficients] = {
     "dion": _DION,
     "keller": _KELLER,

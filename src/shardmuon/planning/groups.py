@@ -10,6 +10,7 @@ order, which :class:`ShardGroup` keeps beside it (:mod:`shardmuon.planning.mesh_
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,14 @@ import torch.distributed as dist
 
 from shardmuon.planning.mesh_order import MeshOrder, holders, mesh_order
 
-__all__ = ["ShardGroup", "exchange_group", "job_timeout", "replica_group"]
+__all__ = [
+    "ShardGroup",
+    "exchange_group",
+    "group_of_ranks",
+    "job_timeout",
+    "made_in_this_world",
+    "replica_group",
+]
 
 
 @dataclass(frozen=True)
@@ -121,31 +129,76 @@ def _part_of(parts: frozenset[tuple[int, ...]]) -> tuple[int, ...]:
 
 
 # Groups this module made (flattened mesh dims, groups off the mesh's own), by their sorted
-# global ranks, and the partitions of a mesh's ranks made into such groups.
+# global ranks, and the partitions of a mesh's ranks made into such groups; emptied when the
+# world is made anew (:func:`made_in_this_world`).
 _FLATTENED_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _MADE_PARTITIONS: set[frozenset[tuple[int, ...]]] = set()
+# How many groups of each rank set :func:`group_of_ranks` made (their names count them).
+_MADE_PER_RANKS: dict[tuple[int, ...], int] = {}
+_REGISTRIES: list = [_FLATTENED_GROUPS, _MADE_PARTITIONS, _MADE_PER_RANKS]
+_REGISTRY_WORLD: list = [None]  # the world group the registries hold groups of
+
+
+def made_in_this_world(registry):
+    """``registry`` (a dict or set of things made over the current world's process groups),
+    emptied first if the world was destroyed and made anew since (``destroy_process_group``
+    then ``init_process_group``): its groups are gone with the world that made them. Every
+    registry of groups in the package is kept through this."""
+    if not any(each is registry for each in _REGISTRIES):  # by identity: {} == {}
+        _REGISTRIES.append(registry)
+    world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    if world is not _REGISTRY_WORLD[0]:
+        _REGISTRY_WORLD[0] = world  # held: a new world cannot reuse a dead one's identity
+        for each in _REGISTRIES:
+            each.clear()
+    return registry
 
 
 def _part_group(parts: frozenset[tuple[int, ...]], members: tuple[int, ...]) -> dist.ProcessGroup:
     """The group of ``members`` (sorted), one part of ``parts`` (a partition of a mesh's ranks
-    that all its ranks compute alike), made by those ranks only (``use_local_synchronization``:
-    ranks off the mesh, such as other pipeline stages, need not take part), on the job's
-    timeout (:func:`job_timeout`).
-
-    torch 2.13 names such a group by its ranks and by how many groups the caller already
-    has, so its members must have made equally many: every rank of the mesh makes its part's
-    group the first time the partition is needed, even if it made one of those ranks before.
-    """
-    if parts not in _MADE_PARTITIONS:
-        with _not_split_from_the_world():
-            _FLATTENED_GROUPS[members] = dist.new_group(
-                list(members), timeout=job_timeout(), use_local_synchronization=True
-            )
-        _MADE_PARTITIONS.add(parts)
+    that all its ranks compute alike), made by those ranks only (:func:`group_of_ranks`):
+    ranks off the mesh, such as other pipeline stages, need not take part. Every rank of the
+    mesh makes its part's group the first time the partition is needed."""
+    made = made_in_this_world(_MADE_PARTITIONS)
+    if parts not in made:
+        made_in_this_world(_FLATTENED_GROUPS)[members] = group_of_ranks(members)
+        made.add(parts)
     return _FLATTENED_GROUPS[members]
 
 
-_UNBINDING = threading.Lock()
+_MAKING = threading.RLock()
+
+
+def group_of_ranks(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """A new process group of ``ranks`` (sorted global ranks), made by those ranks only, on
+    the job's timeout (:func:`job_timeout`). Its members must make it together, in the same
+    order among the groups of these ranks this function makes.
+
+    torch names a group made by its members only (``use_local_synchronization``) by its
+    ranks and by how many groups the calling process has, which differs between members as
+    soon as the job made a group some of them are not in (``new_group([0, 1])`` on a world
+    of 4): they would wait for each other under different names. Here the name counts only
+    the groups of these same ranks made here, which every member has made alike; and the
+    group is never split from a world bound to a device (:func:`_not_split_from_the_world`).
+    """
+    with _MAKING:
+        made = made_in_this_world(_MADE_PER_RANKS)
+        count = made.get(ranks, 0)
+        made[ranks] = count + 1
+        label = f"shardmuon|{','.join(map(str, ranks))}|{count}"
+        name = "shardmuon-" + hashlib.sha1(label.encode(), usedforsecurity=False).hexdigest()
+        c10d = dist.distributed_c10d
+        original = getattr(c10d, "_process_group_name", None)
+        if original is not None:
+            c10d._process_group_name = lambda *_args, **_kwargs: name
+        try:
+            with _not_split_from_the_world():
+                return dist.new_group(
+                    list(ranks), timeout=job_timeout(), use_local_synchronization=True
+                )
+        finally:
+            if original is not None:
+                c10d._process_group_name = original
 
 
 @contextlib.contextmanager
@@ -157,13 +210,15 @@ def _not_split_from_the_world() -> Iterator[None]:
     must call: a group made by its members only (another pipeline stage plans other groups,
     or none) would wait forever. Inside this block the world group reads as unbound, so the
     group gets a communicator of its own, set up by its members at its first collective
-    (what an unbound world does for every group). Its members still make it together."""
-    world = dist.distributed_c10d._get_default_group()
-    bound = getattr(world, "bound_device_id", None)
-    if bound is None:
-        yield
-        return
-    with _UNBINDING:
+    (what an unbound world does for every group). Its members still make it together. One
+    thread at a time (a lock around the whole block): no other thread sees the binding
+    restored while it is inside."""
+    with _MAKING:
+        world = dist.distributed_c10d._get_default_group()
+        bound = getattr(world, "bound_device_id", None)
+        if bound is None:
+            yield
+            return
         world.bound_device_id = None
         try:
             yield

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from shardmuon.planning.batches import MuonBatch
-from shardmuon.planning.groups import job_timeout
+from shardmuon.planning.groups import group_of_ranks, made_in_this_world
 from shardmuon.planning.placements import local_tensor
 from shardmuon.runtime.warmup import warm_up, warmup_sizes
 
@@ -96,31 +96,29 @@ def step_groups_of(batches: Sequence[MuonBatch]) -> set[tuple[int, ...]]:
     return {ranks for ranks in out if len(ranks) > 1}
 
 
-# The step's own groups, by sorted global ranks: every group any rank asked for (the same
-# keys on every rank; the value is a non-member's placeholder where this rank is not in it).
+# The step's own groups, by sorted global ranks (those this rank is in), for the process.
 _STEP_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def step_process_groups(mine: set[tuple[int, ...]]) -> dict[tuple[int, ...], dist.ProcessGroup]:
-    """The overlapped step's own process group for each of ``mine`` (sorted global ranks).
+    """The overlapped step's own process group for each of ``mine`` (sorted global ranks):
+    another communicator than the mesh's, so that the background step's collectives never
+    interleave with the forward's (FSDP2's all-gathers) on one communicator in different
+    orders on different ranks.
 
-    A collective over the world, at the first overlapped step of a plan that communicates:
-    each rank's groups are gathered (one ``all_gather_object``) and those not made yet are
-    made by every rank in sorted order, as ``new_group`` asks; made once per process, shared
-    by every overlapped optimizer (one overlapped step is in flight at a time: ``Muon.step``
-    waits for every other first). Every rank of the world must then take its first step of
-    such a plan together; a plan that talks to no other rank asks nothing."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not mine:
-        # A plan that talks to no other rank makes no group, and asks no one (an optimizer
-        # of this rank's own parameters, which its peers may not have).
+    Made by each group's members only, the first time an overlapped step of theirs needs it
+    (:func:`shardmuon.planning.groups.group_of_ranks`; in ascending order of ranks, so no
+    two ranks wait for each other in opposite orders), and kept for the process: shared by
+    every overlapped optimizer (one overlapped step is in flight at a time: ``Muon.step``
+    waits for every other first). No collective over the world: pipeline stages, and a rank
+    whose plan talks to no one, make theirs, or none, at their own pace."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return {}
-    gathered: list[list[tuple[int, ...]]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, sorted(mine))
-    union = sorted({tuple(ranks) for part in gathered for ranks in part} - set(_STEP_GROUPS))
-    timeout = job_timeout()
-    for ranks in union:
-        _STEP_GROUPS[ranks] = dist.new_group(list(ranks), timeout=timeout)
-    return {ranks: _STEP_GROUPS[ranks] for ranks in mine}
+    made = made_in_this_world(_STEP_GROUPS)
+    for ranks in sorted(mine):
+        if ranks not in made:
+            made[ranks] = group_of_ranks(ranks)
+    return {ranks: made[ranks] for ranks in mine}
 
 
 # Every overlapped step not yet waited for, so that code which reads parameters without
@@ -242,13 +240,16 @@ class OverlappedStep:
                 for stream in streams:
                     stream.wait_event(self._events[key])
 
-    def wait_all(self) -> None:
-        """Block until the whole step is done; raise its failure if it failed."""
+    def wait_all(self, streams: Sequence = ()) -> None:
+        """Block until the whole step is done; raise its failure if it failed. On CUDA the
+        caller's stream and each of ``streams`` wait for every chunk."""
         self.discard()
         self._raise_if_failed()
         if self._cuda:
             for event in self._events.values():
                 torch.cuda.current_stream(self._device).wait_event(event)
+                for stream in streams:
+                    stream.wait_event(event)
 
     def join(self) -> None:
         """Wait for the worker to finish (it writes nothing more); raise nothing."""
@@ -324,6 +325,16 @@ def fsdp_all_gather_streams(unit: torch.nn.Module) -> list:
     return [getattr(comm, name) for name in names if hasattr(comm, name)]
 
 
+def _fsdp_unit_modules(unit: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every module of ``unit``'s FSDP2 unit (several for ``fully_shard([a, b])``, which
+    all-gathers the parameters of all of them at once); ``[unit]`` where FSDP2 does not say."""
+    try:
+        modules = list(unit._get_fsdp_state()._modules)
+    except AttributeError:  # pragma: no cover - an FSDP2 without grouped units
+        return [unit]
+    return modules or [unit]
+
+
 def _fsdp_prefetched(unit: torch.nn.Module) -> list[torch.nn.Module]:
     """The FSDP2 modules ``unit`` all-gathers right after its own all-gather
     (``set_modules_to_forward_prefetch``); read at each forward, as FSDP2 does."""
@@ -357,13 +368,21 @@ class ReadMap:
         in_units = {id(m) for unit in units for m in unit.modules()}
         self.own: dict[int, list[int]] = {}
         for unit in units:
+            # One FSDP2 unit may span several modules (``fully_shard([a, b])``): the first
+            # of them to run all-gathers the parameters of all.
+            together = _fsdp_unit_modules(unit)
+            grouped = {id(m) for m in together}
             nested = {
                 id(p)
-                for m in unit.modules()
-                if m is not unit and id(m) in unit_ids
+                for module in together
+                for m in module.modules()
+                if id(m) in unit_ids and id(m) not in grouped
                 for p in m.parameters()
             }
-            self.own[id(unit)] = [id(p) for p in unit.parameters() if id(p) not in nested]
+            ids = dict.fromkeys(
+                id(p) for module in together for p in module.parameters() if id(p) not in nested
+            )
+            self.own[id(unit)] = list(ids)
         covered: dict[int, bool] = {}  # id(module) -> its subtree holds parameters
 
         def holds(module: torch.nn.Module) -> bool:
@@ -565,20 +584,22 @@ class ForwardOverlap:
         self.failed: OverlapError | None = None
         self._stats = None  # the pending step's StepStats (its wait time goes there)
         self._hooked = self._warned = False
+        self._units: list[weakref.ref] = []  # the hooked models' FSDP2 units
 
-    def prepare(self, plan, param_groups: Sequence[dict], warm: bool, device: torch.device) -> None:
-        """For a new ``plan``: its chunk map, and the step's own process groups (made by the
-        world together, :func:`step_process_groups`), warmed on this thread if ``warm``
-        (``runtime/warmup.py``; a callable ``warm`` is asked only then): their communicators
+    def prepare(
+        self, plan, param_groups: Sequence[dict], warm: bool | None, device: torch.device
+    ) -> None:
+        """For a new ``plan``: its chunk map, and the step's own process groups (made by their
+        members, :func:`step_process_groups`), warmed on this thread as ``warm`` (the
+        optimizer's ``warmup`` setting: ``runtime/warmup.py``) asks: their communicators
         are set up here, with nothing else in flight, not by the background step beside the
         forward's collectives."""
         if self._chunks[0] is plan:
             return
         self._step_groups = step_process_groups(step_groups_of(plan.batches))
         self._chunks = (plan, chunks_of_params(plan, param_groups))
-        if warm if isinstance(warm, bool) else warm():
-            groups = {ranks: [group] for ranks, group in self._step_groups.items()}
-            warm_up(groups, warmup_sizes(plan.batches), device)
+        groups = {ranks: [group] for ranks, group in self._step_groups.items()}
+        warm_up(groups, warmup_sizes(plan.batches), device, warm)
 
     def start(
         self,
@@ -586,10 +607,10 @@ class ForwardOverlap:
         schedule: list[ChunkKey],
         stager,
         run_step: Callable,
-        warm: bool | Callable[[], bool] = False,
+        warm: bool | None = None,
     ) -> None:
         """Run ``run_step(ctx, schedule, stager, done)`` in the background on the step's own
-        process groups (a new plan's made and, if ``warm``, warmed first: :meth:`prepare`),
+        process groups (a new plan's made and warmed as ``warm`` asks first: :meth:`prepare`),
         holding the grads the step began with (``p.grad = None`` meanwhile, as
         ``zero_grad()`` does, is safe)."""
         if not (self._hooked or self._warned):
@@ -628,12 +649,25 @@ class ForwardOverlap:
             return
         try:
             with self._timed():
-                pending.wait_all()
+                pending.wait_all(self._fsdp_streams())
         except OverlapError as err:
             self.pending = None
             self.failed = err  # raised again by every later wait until a restore
             raise
         self.pending = None  # kept through an interrupted wait (Ctrl-C): waited for again
+
+    def _fsdp_streams(self) -> list:
+        """FSDP2's all-gather streams of the hooked models' units (each once): after a
+        ``synchronize()`` no hook waits, and FSDP2's root pre-forward orders those streams
+        after the current stream, or only after an event the caller gave
+        (``set_post_optim_event``) that may predate the step's end."""
+        streams: dict[int, object] = {}
+        for ref in self._units:
+            unit = ref()
+            if unit is not None:
+                for stream in fsdp_all_gather_streams(unit):
+                    streams.setdefault(id(stream), stream)
+        return list(streams.values())
 
     def raise_if_failed(self) -> None:
         """Raise while an earlier step's failure was raised and no restore came since."""
@@ -713,6 +747,7 @@ class ForwardOverlap:
         self._hooked = True
         _let_compiled_code_see_hooks()
         reads = ReadMap(model)
+        self._units += [weakref.ref(m) for m in reads.modules if id(m) in reads.units]
         guard, name = _CopyGuard(self), f"_shardmuon_overlap_{id(self)}"
         for module in reads.modules:
             wait = _Hook(functools.partial(self.before_forward, reads, module))

@@ -26,10 +26,17 @@ import torch
 import torch.distributed as dist
 
 from shardmuon.planning.batches import MuonBatch
-from shardmuon.planning.groups import ShardGroup
+from shardmuon.planning.groups import ShardGroup, made_in_this_world
 from shardmuon.runtime.exchange import backend_serving
 
-__all__ = ["WARMUP_CAP_BYTES", "GroupWarmup", "wants_warmup", "warm_up", "warmup_sizes"]
+__all__ = [
+    "WARMUP_CAP_BYTES",
+    "GroupWarmup",
+    "plan_groups",
+    "wants_warmup",
+    "warm_up",
+    "warmup_sizes",
+]
 
 # The most memory a group's warm-up buffers take (send and receive, bf16): the message size
 # that opens the same channels as the step's, without a second workspace.
@@ -75,19 +82,34 @@ def warmup_sizes(batches: Iterable[MuonBatch]) -> dict[tuple[int, ...], GroupWar
     return out
 
 
-def wants_warmup(setting: bool | None, groups: Iterable[dist.ProcessGroup], device) -> bool:
-    """``warmup``'s value: ``True``/``False`` as given; ``None`` (the default): on where the
-    parameters are on a GPU and some group's collectives for it run on NCCL (gloo and the
-    CPU set connections up cheaply and need none)."""
+def plan_groups(batches: Iterable[MuonBatch]) -> dict[tuple[int, ...], list[dist.ProcessGroup]]:
+    """Sorted global ranks -> every distinct process group object of those ranks the batches
+    exchange or replicate over (two meshes over the same ranks are two communicators), in
+    the batches' order (the same on every member)."""
+    out: dict[tuple[int, ...], list[dist.ProcessGroup]] = {}
+    for batch in batches:
+        for group in (batch.layout.group, batch.layout.replicas):
+            if group is not None and group.size > 1:
+                same = out.setdefault(tuple(sorted(group.ranks)), [])
+                if not any(g is group.process_group for g in same):
+                    same.append(group.process_group)
+    return out
+
+
+def wants_warmup(setting: bool | None, group: dist.ProcessGroup, device) -> bool:
+    """Whether ``warmup=setting`` warms ``group``: ``True``/``False`` as given; ``None`` (the
+    default): where the parameters are on a GPU and the group's collectives for it run on
+    NCCL (gloo and the CPU set connections up cheaply and need none). Decided per group,
+    from what every member shares (its backend; the device and the setting are agreed)."""
     if setting is not None:
         return bool(setting)
     if torch.device(device).type != "cuda" or not dist.is_initialized():
         return False
-    return any(backend_serving(group, "cuda") == "nccl" for group in groups)
+    return backend_serving(group, "cuda") == "nccl"
 
 
 # Groups warmed in this process: id(group) -> (the group, held so that its id is not reused;
-# what it was warmed for).
+# what it was warmed for). Emptied with the world (made_in_this_world).
 _WARMED: dict[int, tuple[dist.ProcessGroup, GroupWarmup]] = {}
 
 
@@ -95,22 +117,28 @@ def warm_up(
     groups: Mapping[tuple[int, ...], Sequence[dist.ProcessGroup]],
     sizes: Mapping[tuple[int, ...], GroupWarmup],
     device: torch.device,
+    setting: bool | None = True,
 ) -> int:
-    """Run each group's warm-up (see the module) unless it was warmed for at least these sizes;
-    ``groups``: sorted global ranks -> the process groups of those ranks to warm. Collective
-    over each group, in ascending order of ranks. Returns how many groups it warmed."""
-    warmed = 0
+    """Run each group's warm-up (see the module) where ``setting`` asks for it
+    (:func:`wants_warmup`) unless it was warmed for at least these sizes; ``groups``: sorted
+    global ranks -> the distinct process groups of those ranks, in an order every member
+    shares. Collective over each group, in ascending order of ranks. Returns how many groups
+    it warmed."""
+    warmed = made_in_this_world(_WARMED)
+    count = 0
     for ranks in sorted(groups):
         need = sizes.get(ranks, GroupWarmup())
         for group in groups[ranks]:
-            done = _WARMED.get(id(group))
+            if not wants_warmup(setting, group, device):
+                continue
+            done = warmed.get(id(group))
             if done is not None and done[1].covers(need):
                 continue
             wanted = need if done is None else need.union(done[1])
             _run(group, ranks, wanted, device)
-            _WARMED[id(group)] = (group, wanted)
-            warmed += 1
-    return warmed
+            warmed[id(group)] = (group, wanted)
+            count += 1
+    return count
 
 
 def _run(group: dist.ProcessGroup, ranks: tuple[int, ...], need: GroupWarmup, device) -> None:

@@ -25,6 +25,7 @@ from shardmuon.harness.cli_support import (
     note,
     note_written,
 )
+from shardmuon.harness.jobs import finish_job, interrupted, start_job
 from shardmuon.harness.machine import DTYPES, fp16_cpu_note
 from shardmuon.harness.mesh_flags import default_mesh_note
 from shardmuon.harness.parallel import parse_mesh_shape, plan_layout
@@ -263,4 +264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
     except SystemExit as exc:  # a bad argument (2) or --help (0): argparse has said why
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-    return args.func(args)
+    name = "shardmuon train" + (" plot" if args.train_command else "")
+    start_job(name)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # as the project CLI reports it: one line, status 130
+        return interrupted(name)
+    finally:
+        finish_job()

@@ -13,7 +13,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, MutableSequence, Sequence
 from pathlib import Path
 
 import torch
@@ -26,9 +26,9 @@ from shardmuon.harness.processes import (
     threads_per_rank,
 )
 from shardmuon.train.config import TrainConfig, TrainResult
-from shardmuon.train.loop import train_on_rank
+from shardmuon.train.loop import EstimatePlan, train_on_rank
 
-__all__ = ["ANNOUNCE", "run_sequentially", "spawn_runs", "spawn_training"]
+__all__ = ["ANNOUNCE", "new_counter", "run_sequentially", "spawn_runs", "spawn_training"]
 
 # A config whose extra holds this key has its value printed (by rank 0, on stderr) before it
 # runs, with its place in the sequence and the time since the first started.
@@ -36,13 +36,38 @@ ANNOUNCE = "announce"
 
 
 Run = tuple[TrainConfig, "str | None"]
+# Where a sequence of runs stands, for the main process to say what was done when Ctrl-C
+# stops it: [runs finished, the last finished step of the current run].
+Counter = MutableSequence[int]
 
 
-def run_sequentially(runs: Sequence[Run], rank: int, world: int) -> list[TrainResult]:
+def new_counter(shared: bool) -> Counter:
+    """A :data:`Counter` at ``[0, 0]``: in shared memory that spawned ranks write (rank 0
+    does) when ``shared``, else a list."""
+    if not shared:
+        return [0, 0]
+    import multiprocessing
+
+    return multiprocessing.RawArray("q", 2)
+
+
+def run_sequentially(
+    runs: Sequence[Run],
+    rank: int,
+    world: int,
+    estimates: Mapping[int, EstimatePlan] | None = None,
+    counter: Counter | None = None,
+) -> list[TrainResult]:
     """:func:`.loop.train_on_rank` for each ``(config, resume_from)`` of ``runs`` in turn,
-    each announced."""
+    each announced. ``estimates``: run index -> the time estimate that run prints once
+    measured; ``counter``: kept current by rank 0 (:func:`new_counter`)."""
     began = time.perf_counter()
     results = []
+
+    def record_step(step: int) -> None:
+        counter[1] = step
+
+    on_step = record_step if counter is not None and rank == 0 else None
     for index, (config, resume_from) in enumerate(runs):
         line = config.extra.get(ANNOUNCE)
         if line and rank == 0:
@@ -52,7 +77,12 @@ def run_sequentially(runs: Sequence[Run], rank: int, world: int) -> list[TrainRe
                 file=sys.stderr,
                 flush=True,
             )
-        results.append(train_on_rank(config, rank, world, resume_from))
+        estimate = (estimates or {}).get(index)
+        results.append(
+            train_on_rank(config, rank, world, resume_from, estimate=estimate, on_step=on_step)
+        )
+        if on_step is not None:
+            counter[0], counter[1] = index + 1, 0
     return results
 
 
@@ -62,6 +92,8 @@ def _worker(
     world: int,
     port: int,
     result_file: str,
+    estimates: Mapping[int, EstimatePlan] | None = None,
+    counter: Counter | None = None,
 ) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -71,7 +103,7 @@ def _worker(
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        results = run_sequentially(runs, rank, world)
+        results = run_sequentially(runs, rank, world, estimates, counter)
         if rank == 0:
             payload = [dataclasses.asdict(result) for result in results]
             Path(result_file).write_text(json.dumps(payload))
@@ -111,10 +143,15 @@ def _start_method() -> str:
     return "forkserver"
 
 
-def spawn_runs(configs: Sequence[TrainConfig]) -> list[TrainResult]:
+def spawn_runs(
+    configs: Sequence[TrainConfig],
+    estimates: Mapping[int, EstimatePlan] | None = None,
+    counter: Counter | None = None,
+) -> list[TrainResult]:
     """Train each of ``configs`` (fresh runs, all with the same ``nproc``) on one set of
     spawned ranks, in turn; rank 0's results. A resume goes through
     :func:`shardmuon.train.run.run_training`, which checks the checkpoint first.
+    ``estimates`` and ``counter``: as :func:`run_sequentially`'s (a shared ``counter``).
 
     A ``ValueError`` on the ranks is re-raised here with its message; so is
     :func:`~shardmuon.harness.processes.check_process_count`'s, before any is started.
@@ -125,10 +162,14 @@ def spawn_runs(configs: Sequence[TrainConfig]) -> list[TrainResult]:
             f"spawn_runs trains from scratch; {resuming[0].resume or resuming[0].resume_dion!r} "
             "is a resume: run it with run_training, which checks the checkpoint first"
         )
-    return _spawn([(config, None) for config in configs])
+    return _spawn([(config, None) for config in configs], estimates, counter)
 
 
-def _spawn(runs: Sequence[Run]) -> list[TrainResult]:
+def _spawn(
+    runs: Sequence[Run],
+    estimates: Mapping[int, EstimatePlan] | None = None,
+    counter: Counter | None = None,
+) -> list[TrainResult]:
     import torch.multiprocessing as mp
 
     worlds = sorted({config.nproc for config, _ in runs})
@@ -140,7 +181,7 @@ def _spawn(runs: Sequence[Run]) -> list[TrainResult]:
         try:
             mp.start_processes(
                 _worker,
-                args=(list(runs), worlds[0], free_port(), result_file),
+                args=(list(runs), worlds[0], free_port(), result_file, estimates, counter),
                 nprocs=worlds[0],
                 join=True,
                 start_method=_start_method(),
@@ -161,8 +202,14 @@ def _result_from_json(payload: dict) -> TrainResult:
     return TrainResult(**payload)
 
 
-def spawn_training(config: TrainConfig, resume_from: str | None) -> TrainResult:
+def spawn_training(
+    config: TrainConfig,
+    resume_from: str | None,
+    estimate: EstimatePlan | None = None,
+    counter: Counter | None = None,
+) -> TrainResult:
     """Run :func:`.loop.train_on_rank` on ``config.nproc`` processes from ``resume_from``
     (chosen and checked by :func:`~shardmuon.train.run.prepare_resume`); rank 0's result
-    (errors as :func:`spawn_runs`)."""
-    return _spawn([(config, resume_from)])[0]
+    (errors as :func:`spawn_runs`; ``estimate`` and ``counter`` as :func:`run_sequentially`'s)."""
+    estimates = None if estimate is None else {0: estimate}
+    return _spawn([(config, resume_from)], estimates, counter)[0]

@@ -14,8 +14,10 @@ from __future__ import annotations
 import math
 import re
 import statistics
+import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -263,14 +265,84 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+# Steps timed for the time estimate, after the first (which pays for lazy optimizer state,
+# the first collectives and allocations, and so says little about the others).
+ESTIMATE_STEPS = 3
+
+
+@dataclass(frozen=True)
+class EstimatePlan:
+    """The time estimate rank 0 prints once it has timed :data:`ESTIMATE_STEPS` steps of a
+    run (after the first), through :func:`shardmuon.harness.jobs.estimate_line`.
+
+    The estimate: what the run has taken so far, plus its remaining steps and held-out
+    evaluations, plus ``later_steps`` steps and ``later_evals`` evaluations of runs after
+    it, each at the cost measured here (a step: the median of the timed steps; an
+    evaluation: the first one's time). ``label`` starts the line, ``basis`` follows what
+    was measured in its parentheses, ``left`` says the time is what remains of a job that
+    ran before this run. ``min_seconds``: as :func:`~shardmuon.harness.jobs.estimate_line`'s
+    (``None``: its default).
+    """
+
+    label: str
+    later_steps: int = 0
+    later_evals: int = 0
+    basis: str = ""
+    left: bool = False
+    min_seconds: float | None = None
+
+
+def evaluations(config: TrainConfig, after: int = 0) -> int:
+    """Held-out evaluations a run of ``config`` makes after step ``after`` (task ``lm``:
+    every ``eval_every`` steps and at the last; the one at step 0 not counted)."""
+    if config.task != "lm" or after >= config.steps:
+        return 0
+    every = config.eval_every
+    return config.steps // every - after // every + (1 if config.steps % every else 0)
+
+
+def _estimate(
+    plan: EstimatePlan,
+    config: TrainConfig,
+    step: int,
+    step_times: list[float],
+    eval_times: list[float],
+    took: float,
+) -> str | None:
+    from shardmuon.harness.jobs import estimate_line
+
+    # A run of one or two steps has no step after the first that is not also its last.
+    timed = step_times[1:] or step_times
+    per_step = statistics.median(timed)
+    # Not timed (a resumed run skips the evaluation at step 0): counted as one step each,
+    # which a forward over the held-out batch costs about.
+    per_eval = eval_times[0] if eval_times else per_step
+    steps = config.steps - step + plan.later_steps
+    evals = evaluations(config, step) + plan.later_evals
+    seconds = took + steps * per_step + evals * per_eval
+    basis = f"{len(timed)} step{'s' if len(timed) > 1 else ''}"
+    basis += (" and a held-out evaluation" if eval_times else "") + " measured"
+    return estimate_line(
+        plan.label, seconds, basis + plan.basis, left=plan.left, min_seconds=plan.min_seconds
+    )
+
+
 def train_on_rank(
-    config: TrainConfig, rank: int, world: int, resume_from: str | None = None
+    config: TrainConfig,
+    rank: int,
+    world: int,
+    resume_from: str | None = None,
+    *,
+    estimate: EstimatePlan | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> TrainResult:
     """Run the whole training on this rank (process group already initialised if world > 1).
 
     ``resume_from``: the checkpoint directory or dion-format file to start from, as
     :func:`prepare_resume` chose it (every rank loads the same one). A config with
-    :data:`STOP_ON_DIVERGENCE` in its ``extra`` stops where it diverges.
+    :data:`STOP_ON_DIVERGENCE` in its ``extra`` stops where it diverges. ``estimate``:
+    rank 0 prints that time estimate once measured (:class:`EstimatePlan`). ``on_step``:
+    called with each step's number once the step (and its checkpoint) is done.
     """
     device = torch.device(f"cuda:{rank}") if torch.cuda.is_available() else torch.device("cpu")
     task = build_task(config)
@@ -289,9 +361,12 @@ def train_on_rank(
 
     held_out = task.held_out_batch()
     evals: list[dict] = []
+    eval_times: list[float] = []
 
     def evaluate(step: int) -> None:
+        eval_began = time.perf_counter()
         loss = held_out_loss(model, held_out, layout, device)
+        eval_times.append(time.perf_counter() - eval_began)
         evals.append({"step": step, "tokens": _tokens_seen(config, step), "loss": loss})
 
     if held_out is not None and start == 0:
@@ -306,61 +381,79 @@ def train_on_rank(
     optimizer_times: list[float] = []
     waits: list[object] = []
     saved: list[str] = []
-    progress = _progress(config, rank, start)
+    if rank != 0:
+        estimate = None
+    estimate_after = min(1 + ESTIMATE_STEPS, config.steps - start)
     stop_on_divergence = bool(config.extra.get(STOP_ON_DIVERGENCE))
     diverged: dict[str, Any] | None = None
     began = time.perf_counter()
+    progress = _progress(config, rank, start)
     model.train()
-    for step in range(start + 1, config.steps + 1):
-        loss_sum = None
-        try:
-            step_began = time.perf_counter()
-            batch = task.batch(step, config.batch_size)
-            global_tokens = num_target_tokens(batch["labels"][:, 1:])
-            part = rank_slice(batch, layout.data_rank, layout.data_world)
-            local = {k: v.to(device) for k, v in part.items()}
-            loss_sum = sft_loss_sum(model, local)
-            # FSDP averages gradients over the data-parallel ranks; scaling by
-            # data_world/global_tokens turns that average into the gradient of the global
-            # per-token mean, whatever the split.
-            (loss_sum * (layout.data_world / global_tokens)).backward()
-            set_learning_rates(optimizer, config, step)
-            if len(waits) < len(optimizer_times):  # the previous step's (an overlapped one:
-                # read once the forward has waited for it; reading waits for the rest)
-                waits.append(getattr(optimizer, "last_step_stats", None))
-            optimizer_began = time.perf_counter()
-            optimizer.step()
-            optimizer_times.append(time.perf_counter() - optimizer_began)
-            optimizer.zero_grad(set_to_none=True)
-            if clip is not None:
-                stats = clip.apply()
-                max_logits[step] = stats.max_logit
-                max_logits_after[step] = stats.max_logit_after
-                clipped_heads[step] = stats.clipped_heads
-            total = loss_sum.detach().to(torch.float64)
-            if world > 1:
-                dist.all_reduce(total, group=layout.data_group)
-            losses[step] = float(total) / global_tokens
-            step_times.append(time.perf_counter() - step_began)
-            if held_out is not None and (step % config.eval_every == 0 or step == config.steps):
-                evaluate(step)
-        except Exception as err:
-            if not (stop_on_divergence and _blown_up(model, loss_sum)):
-                raise
-            diverged = {"step": step, "reason": f"{type(err).__name__}: {err}"}
-            break
-        if stop_on_divergence:
-            diverged = _non_finite_loss(step, losses[step], evals)
-            if diverged is not None:
+    try:
+        for step in range(start + 1, config.steps + 1):
+            loss_sum = None
+            try:
+                step_began = time.perf_counter()
+                batch = task.batch(step, config.batch_size)
+                global_tokens = num_target_tokens(batch["labels"][:, 1:])
+                part = rank_slice(batch, layout.data_rank, layout.data_world)
+                local = {k: v.to(device) for k, v in part.items()}
+                loss_sum = sft_loss_sum(model, local)
+                # FSDP averages gradients over the data-parallel ranks; scaling by
+                # data_world/global_tokens turns that average into the gradient of the global
+                # per-token mean, whatever the split.
+                (loss_sum * (layout.data_world / global_tokens)).backward()
+                set_learning_rates(optimizer, config, step)
+                if len(waits) < len(optimizer_times):  # the previous step's (an overlapped one:
+                    # read once the forward has waited for it; reading waits for the rest)
+                    waits.append(getattr(optimizer, "last_step_stats", None))
+                optimizer_began = time.perf_counter()
+                optimizer.step()
+                optimizer_times.append(time.perf_counter() - optimizer_began)
+                optimizer.zero_grad(set_to_none=True)
+                if clip is not None:
+                    stats = clip.apply()
+                    max_logits[step] = stats.max_logit
+                    max_logits_after[step] = stats.max_logit_after
+                    clipped_heads[step] = stats.clipped_heads
+                total = loss_sum.detach().to(torch.float64)
+                if world > 1:
+                    dist.all_reduce(total, group=layout.data_group)
+                losses[step] = float(total) / global_tokens
+                step_times.append(time.perf_counter() - step_began)
+                if held_out is not None and (step % config.eval_every == 0 or step == config.steps):
+                    evaluate(step)
+            except Exception as err:
+                if not (stop_on_divergence and _blown_up(model, loss_sum)):
+                    raise
+                diverged = {"step": step, "reason": f"{type(err).__name__}: {err}"}
                 break
+            if stop_on_divergence:
+                diverged = _non_finite_loss(step, losses[step], evals)
+                if diverged is not None:
+                    break
+            if progress is not None:
+                progress.advance(losses[step], evals[-1]["loss"] if evals else None)
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                trainer = _trainer_state(
+                    config, step, world, {**history, **losses}, eval_history + evals
+                )
+                path = ckpt_io.save_checkpoint(
+                    config.checkpoint_dir, step, model, optimizer, trainer
+                )
+                saved.append(str(path))
+            if estimate is not None and len(step_times) == estimate_after:
+                took = time.perf_counter() - began
+                line = _estimate(estimate, config, step, step_times, eval_times, took)
+                if line:
+                    print(line, file=sys.stderr, flush=True)
+            if on_step is not None:
+                on_step(step)
+    except BaseException:
+        # Ctrl-C or an error: take the bar down first, leaving the terminal as it was.
         if progress is not None:
-            progress.advance(losses[step], evals[-1]["loss"] if evals else None)
-        if config.checkpoint_every and step % config.checkpoint_every == 0:
-            trainer = _trainer_state(
-                config, step, world, {**history, **losses}, eval_history + evals
-            )
-            path = ckpt_io.save_checkpoint(config.checkpoint_dir, step, model, optimizer, trainer)
-            saved.append(str(path))
+            progress.close()
+        raise
     if hasattr(optimizer, "synchronize"):
         optimizer.synchronize()
     if len(waits) < len(optimizer_times):  # the last step's

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from shardmuon.harness.cli_support import note
+from shardmuon.harness.jobs import current_job
 from shardmuon.harness.processes import threads_per_rank
 from shardmuon.train import checkpoint as ckpt_io
 from shardmuon.train import dion_format, recovery
 from shardmuon.train.config import EXPERT_MESH_NAME, TrainConfig, TrainResult
-from shardmuon.train.launch import spawn_training
-from shardmuon.train.loop import build_optimizer, build_training_model, train_on_rank
+from shardmuon.train.launch import Counter, new_counter, spawn_training
+from shardmuon.train.loop import EstimatePlan, build_optimizer, build_training_model, train_on_rank
 from shardmuon.train.resume import recorded_settings, settings_conflicts
 from shardmuon.train.tasks import task_vocab_size
 
@@ -73,15 +75,25 @@ def run_training(config: TrainConfig) -> TrainResult:
         for line in recovery.repair_checkpoints(config.checkpoint_dir):
             note(f"shardmuon train: {line}")
     resume_from = prepare_resume(config)
+    counter = new_counter(shared=config.nproc > 1)
+    # Under a command (not a library call): the time estimate, and what Ctrl-C reports.
+    job = current_job()
+    estimate = None
+    if job is not None:
+        estimate = EstimatePlan(job.name)
+        job.done = lambda: _steps_done(config, counter)
+        job.partial = lambda: _last_checkpoint(config)
     if config.nproc == 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(threads_per_rank(1))
         try:
-            result = train_on_rank(config, 0, 1, resume_from)
+            result = train_on_rank(
+                config, 0, 1, resume_from, estimate=estimate, on_step=partial(_record, counter)
+            )
         finally:
             torch.set_num_threads(threads)
     else:
-        result = spawn_training(config, resume_from)
+        result = spawn_training(config, resume_from, estimate, counter)
     if config.json_out:
         write_losses(config.json_out, result, config)
     if config.csv_out:
@@ -92,6 +104,26 @@ def run_training(config: TrainConfig) -> TrainResult:
         label = Path(config.json_out).stem if config.json_out else "this run"
         plot_result(result, config, label, config.plot_out)
     return result
+
+
+def _record(counter: Counter, step: int) -> None:
+    counter[1] = step
+
+
+def _steps_done(config: TrainConfig, counter: Counter) -> str:
+    step = counter[1]
+    return f"step {step} of {config.steps}" if step else "before its first step finished"
+
+
+def _last_checkpoint(config: TrainConfig) -> str | None:
+    """``"ck (step-000040; --resume ck continues)"``: the newest complete checkpoint."""
+    if not config.checkpoint_dir:
+        return None
+    found = recovery.step_checkpoints(config.checkpoint_dir)
+    if not found:
+        return None
+    newest = found[max(found)]
+    return f"{config.checkpoint_dir} ({newest.name}; --resume {config.checkpoint_dir} continues)"
 
 
 def write_losses(
