@@ -264,7 +264,8 @@ def _description(name: str, dtype: torch.dtype, monkeypatch) -> list:
     opt = Muon([p], newton_schulz_impl=name, newton_schulz_dtype=DTYPE_NAME[dtype])
     opt._check_agreement()
     settings = seen["settings"]
-    assert set(settings) == set(AGREED_SETTINGS)
+    assert set(settings) == {*AGREED_SETTINGS, "warmup"}  # warm-up: the same groups warmed
+    assert settings["warmup"] is opt.warmup_setting
     canonical = {
         "coefficients": lambda v: tuple(map(tuple, v)),
         # One spelling per dtype: "float32" and torch.float32 agree.
