@@ -117,22 +117,20 @@ def _run_once(src: Path, world: int, steps: int, options: dict | None = None) ->
         "s._spawn(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            code,
-            str(ROOT / "scripts"),
-            str(world),
-            str(src),
-            str(steps),
-            out,
-            json.dumps(options or {}),
-        ],
-        check=True,
-        env=env,
-        timeout=600,
-    )
+    command = [
+        sys.executable, "-c", code, str(ROOT / "scripts"), str(world), str(src), str(steps),
+        out, json.dumps(options or {}),
+    ]  # fmt: skip
+    for attempt in range(2):
+        try:
+            subprocess.run(command, check=True, env=env, timeout=600)
+            break
+        except subprocess.CalledProcessError:
+            # A gloo rank now and then aborts while its threads are torn down at exit
+            # ("terminate called without an active exception"), after its figures were
+            # written: one more try, then give up.
+            if attempt == 1:
+                raise
     record = json.loads(Path(out).read_text())
     os.unlink(out)
     return {"step": statistics.median(record["times"]), "unfolded": record.get("unfolded")}
