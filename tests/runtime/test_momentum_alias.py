@@ -3,7 +3,7 @@
 changes, loaded all or nothing, cycled by OneCycleLR/CyclicLR like torch's AdamW, resumed
 from state dicts, on groups added later and on copies.
 
-Against independent references, as the module docstring of ``tests/support/attack_setup.py``
+Against independent references, as the module docstring of ``tests/support/counter_setup.py``
 says; failing tests are escapes.
 """
 
@@ -13,7 +13,9 @@ import copy
 
 import pytest
 import torch
-from attack_setup import (
+from checks import assert_same_optimizers, clone_params, set_random_grads
+from copies import COPY_METHODS
+from counter_setup import (
     MUON_COUNT,
     assert_counters_mirror_groups,
     groups_of,
@@ -23,8 +25,6 @@ from attack_setup import (
     step_with,
     uninterrupted,
 )
-from checks import assert_same_optimizers, clone_params, set_random_grads
-from copies import COPY_METHODS
 from torch.nn import Parameter
 
 from shardmuon import Muon

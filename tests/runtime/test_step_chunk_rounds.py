@@ -4,7 +4,7 @@ memory) updates nothing twice; stale or repeated chunks are refused, a round who
 chunk fails its checks is not opened, and a stuck round is ended by restoring a checkpoint.
 With and without state offload.
 
-Against independent references, as the module docstring of ``tests/support/attack_setup.py``
+Against independent references, as the module docstring of ``tests/support/counter_setup.py``
 says; failing tests are escapes.
 """
 
@@ -15,8 +15,8 @@ import random
 
 import pytest
 import torch
-from attack_setup import make_opt, make_params, step_with
 from checks import assert_same_optimizers, set_random_grads
+from counter_setup import make_opt, make_params, step_with
 
 import shardmuon.runtime.adamw_step as adamw_step
 import shardmuon.runtime.phases as phases

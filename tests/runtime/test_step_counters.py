@@ -2,7 +2,7 @@
 each group's ``step`` through in-place (DCP-style) and whole loads, dion dicts without
 counters, copies, ``add_param_group``, refused and failed steps, and ints past float32.
 
-Against independent references, as the module docstring of ``tests/support/attack_setup.py``
+Against independent references, as the module docstring of ``tests/support/counter_setup.py``
 says; failing tests are escapes.
 """
 
@@ -12,7 +12,9 @@ import copy
 
 import pytest
 import torch
-from attack_setup import (
+from checks import assert_same_optimizers, clone_params, set_random_grads
+from copies import COPY_METHODS
+from counter_setup import (
     MUON_COUNT,
     assert_counters_mirror_groups,
     counters,
@@ -22,8 +24,6 @@ from attack_setup import (
     step_with,
     uninterrupted,
 )
-from checks import assert_same_optimizers, clone_params, set_random_grads
-from copies import COPY_METHODS
 from torch.nn import Parameter
 
 import shardmuon.runtime.phases as phases

@@ -1,10 +1,10 @@
-"""Adversarial cases against the Newton–Schulz engines, the normalisation, AOL, the guard,
-the engine settings, the workspace cost model and the CLI numbers (single process).
+"""Edge cases of the Newton–Schulz engines, the normalisation, AOL, the guard, the engine
+settings, the workspace cost model and the CLI numbers (single process).
 
 Each case is checked against an independent reference written here: a float64 iteration
 (AOL included), the exact SVD, or a fresh optimizer built with the same settings. Cases
-marked ``# Was an escape:`` failed when the attack found them (issue #28's second round) and
-are fixed; every case is a regression test.
+marked ``# Was an escape:`` once gave a wrong result and are fixed; every case is a
+regression test.
 """
 
 from __future__ import annotations

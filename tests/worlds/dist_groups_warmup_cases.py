@@ -1,5 +1,5 @@
-"""Outside attacks on warm-up, the groups this package makes and the overlapped step's waits,
-in gloo worlds (run by ``tests/runtime/test_attacks_gpu_paths.py``).
+"""Edge cases of warm-up, the groups this package makes and the overlapped step's waits,
+in gloo worlds (run by ``tests/runtime/test_groups_and_warmup.py``).
 
 Every case compares with something independent of what it attacks: the sequential
 (non-overlapped) step of a twin model, or the same ``Muon`` on plain single-process tensors.
@@ -437,7 +437,7 @@ def hsdp_split_replicas_warm_overlapped_uneven(ctx: Context) -> None:
     fail_on(problems)
 
 
-# What the harness looks cases up in (``"dist_attack_gpu_cases:CALLABLES"``): name -> case.
+# What the harness looks cases up in (``"dist_groups_warmup_cases:CALLABLES"``): name -> case.
 CALLABLES: dict[str, Callable[[Context], None]] = {
     name: fn for registry in (CASES, RISKY) for name, (fn, _) in registry.items()
 }

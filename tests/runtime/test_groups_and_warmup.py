@@ -1,9 +1,9 @@
-"""Outside attacks on the GPU-path features: warm-up (``runtime/warmup.py``), the groups
+"""The GPU-path features on gloo, at their edges: warm-up (``runtime/warmup.py``), the groups
 ``planning/groups.py`` makes, the overlapped step's groups and waits (``runtime/overlap.py``)
 and the divergence guard with its telemetry (``ops/newton_schulz_guard.py``,
 ``runtime/telemetry.py``).
 
-The multi-process cases are in ``tests/worlds/dist_attack_gpu_cases.py``: ``CASES`` share
+The multi-process cases are in ``tests/worlds/dist_groups_warmup_cases.py``: ``CASES`` share
 one gloo world, each ``RISKY`` case (one that may hang or leave its world out of step) runs
 in a world of its own with a short collective timeout.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import types
 
-import dist_attack_gpu_cases
+import dist_groups_warmup_cases
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,12 +21,12 @@ from dist_harness import WorldPlan
 
 from shardmuon.planning import groups as groups_module
 
-SPEC = "dist_attack_gpu_cases:CALLABLES"
+SPEC = "dist_groups_warmup_cases:CALLABLES"
 
 WORLDS = WorldPlan(
     SPEC,
-    lambda size: [n for n, (_, s) in dist_attack_gpu_cases.CASES.items() if s == size],
-    tuple(sorted({s for _, s in dist_attack_gpu_cases.CASES.values()})),
+    lambda size: [n for n, (_, s) in dist_groups_warmup_cases.CASES.items() if s == size],
+    tuple(sorted({s for _, s in dist_groups_warmup_cases.CASES.values()})),
     timeout_s=240.0,
     collective_timeout_s=30.0,
 )
@@ -39,10 +39,10 @@ def test_case(worlds, world, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(dist_attack_gpu_cases.RISKY))
+@pytest.mark.parametrize("name", list(dist_groups_warmup_cases.RISKY))
 def test_risky_case(tmp_path_factory, name):
     """One world per case: a hang fails only this case, at the collective timeout."""
-    size = dist_attack_gpu_cases.RISKY[name][1]
+    size = dist_groups_warmup_cases.RISKY[name][1]
     plan = WorldPlan(SPEC, lambda _: [name], (size,), timeout_s=150.0, collective_timeout_s=20.0)
     with plan.running(tmp_path_factory.mktemp) as running:
         running[size].check(name)

@@ -1,4 +1,4 @@
-"""The parameters and optimizers of the single-process attacks on the per-parameter step
+"""The parameters and optimizers of the single-process tests of the per-parameter step
 counters, the ``momentum`` alias and ``step_chunk`` (``tests/runtime``): four Muon matrices
 (one a 3-D stack) and two AdamW vectors, each run stepped on :func:`set_random_grads`.
 
