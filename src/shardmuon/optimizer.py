@@ -79,6 +79,7 @@ from shardmuon.validation import (
     check_live_groups,
     check_optimizer_settings,
     group_defaults,
+    resolve_max_in_flight,
 )
 
 __all__ = ["Muon"]
@@ -107,7 +108,9 @@ class Muon(Optimizer):
             per iteration; ``None``: ``"dion"`` (``"aol"`` with the AOL preconditioner).
         matrix_partitions: ``{param: (rows_1, ...)}`` for fused weights: blocks along dim -2
             orthogonalized and scaled on their own.
-        max_in_flight: batches between the gather and the compute phase in ``step()``.
+        max_in_flight: batches between the gather and the compute phase in ``step()``
+            (default 3). ``max_concurrent_tasks``: the same setting under prime-rl's name;
+            both given and different: ``ValueError``.
         workspace_bytes: each rank's budget for the step's transient buffers
             (``planning/workspace.py``; default 512 MiB): batches enter flight while their
             bytes fit, local stacks are cut to fit; a batch larger than the budget runs alone.
@@ -163,7 +166,8 @@ class Muon(Optimizer):
         update_rms: float = 0.2,
         newton_schulz_coefficients: str | Sequence[Sequence[float]] | None = None,
         matrix_partitions: dict[Tensor, Sequence[int]] | None = None,
-        max_in_flight: int = 3,
+        max_in_flight: int | None = None,
+        max_concurrent_tasks: int | None = None,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
         offload: str | None = None,
         offload_prefetch: int = 2,
@@ -183,6 +187,7 @@ class Muon(Optimizer):
         check_dion_arguments(
             distributed_mesh, world_mesh, fsdp_mesh_dim, use_triton, newton_schulz_func
         )
+        max_in_flight = resolve_max_in_flight(max_in_flight, max_concurrent_tasks)
         defaults = group_defaults(
             lr=lr, mu=mu, betas=betas, weight_decay=weight_decay, epsilon=epsilon,
             nesterov=nesterov, flatten=flatten, adjust_lr=adjust_lr,
@@ -209,6 +214,15 @@ class Muon(Optimizer):
             raise TypeError(f"warmup must be True, False or None (on with NCCL), got {warmup!r}")
         self.warmup_setting = warmup
         self._ensure_plan()
+
+    @property
+    def max_concurrent_tasks(self) -> int:
+        """prime-rl's name for :attr:`max_in_flight` (dion's ``AsyncRuntime`` tasks)."""
+        return self.max_in_flight
+
+    @max_concurrent_tasks.setter
+    def max_concurrent_tasks(self, value: int) -> None:
+        self.max_in_flight = value
 
     # ``warmup``, as given (a class default for copies made before it existed).
     warmup_setting: bool | None = None
@@ -354,11 +368,21 @@ class Muon(Optimizer):
         return torch.device("cpu")
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, state_offloader: Any = None) -> Any:
         """One optimizer step over all chunks, pipelined (``runtime/pipeline.py``). If it
         raises in a check, nothing changed; if later (out of memory, a failed collective),
         counters and momenta have advanced and finished chunks are updated, the rest not:
-        restore a checkpoint rather than step again."""
+        restore a checkpoint rather than step again. ``state_offloader`` (prime-rl's
+        streamed offload for dion) is refused: see the message."""
+        if state_offloader is not None:
+            raise TypeError(
+                f"Muon.step(state_offloader={type(state_offloader).__name__}(...)) is prime-rl's "
+                "protocol for dion and is not taken: use Muon(offload='state') (the state "
+                "streamed chunk by chunk, at most offload_prefetch chunks on the device), or "
+                "step chunk by chunk yourself: for chunk in opt.chunks(): move "
+                "opt.chunk_info(chunk).params' grads and state to the device, "
+                "opt.step_chunk(chunk), move them back"
+            )
         self.synchronize()  # raises while a failed overlapped step is not restored
         synchronize_all()  # this optimizer's last step, and any other's (their groups)
         loss = None

@@ -44,6 +44,7 @@ __all__ = [
     "check_number",
     "check_optimizer_settings",
     "group_defaults",
+    "resolve_max_in_flight",
 ]
 
 ALGORITHMS = ("muon", "adamw")
@@ -358,6 +359,21 @@ def check_dion_arguments(
             "the iteration with newton_schulz_coefficients (a preset name or (a, b, c) "
             "triples)"
         )
+
+
+def resolve_max_in_flight(max_in_flight: Any, max_concurrent_tasks: Any) -> Any:
+    """``max_in_flight``, given under its own name or prime-rl's (``max_concurrent_tasks``);
+    3 when neither is; both given and different: ``ValueError`` (the value is checked with
+    the other settings)."""
+    if max_in_flight is None:
+        return 3 if max_concurrent_tasks is None else max_concurrent_tasks
+    if max_concurrent_tasks is not None and max_concurrent_tasks != max_in_flight:
+        raise ValueError(
+            f"max_in_flight={max_in_flight!r} and max_concurrent_tasks={max_concurrent_tasks!r} "
+            "disagree: they are one setting (max_concurrent_tasks is prime-rl's name for it); "
+            "pass one of them"
+        )
+    return max_in_flight
 
 
 def group_defaults(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 from checks import (
     assert_same,
     assert_same_optimizers,
@@ -124,3 +125,41 @@ def test_cautious_wd_is_refused_at_construction_and_on_load() -> None:
     with pytest.raises(ValueError, match=r"param group 0 has cautious_wd=True"):
         opt.step()
     assert_unchanged(opt, params, snap)
+
+
+# ------------------------------------------------------------- prime-rl's call site today
+
+
+def test_max_concurrent_tasks_is_max_in_flight():
+    """prime-rl passes ``max_concurrent_tasks`` (its Muon's name for dion's task count):
+    taken as ``max_in_flight``, read back under both names, and agreed across ranks as that
+    setting (it is the same attribute the agreement digest reads)."""
+    weight = torch.nn.Parameter(torch.randn(8, 6))
+    opt = Muon([weight], lr=0.02, max_concurrent_tasks=2)
+    assert opt.max_in_flight == opt.max_concurrent_tasks == 2
+    opt.max_concurrent_tasks = 5
+    assert opt.max_in_flight == 5
+    assert Muon([weight], lr=0.02).max_in_flight == 3
+    assert Muon([weight], lr=0.02, max_in_flight=4, max_concurrent_tasks=4).max_in_flight == 4
+    with pytest.raises(ValueError, match="max_in_flight=4 and max_concurrent_tasks=2 disagree"):
+        Muon([weight], lr=0.02, max_in_flight=4, max_concurrent_tasks=2)
+    with pytest.raises(TypeError, match="max_in_flight"):
+        Muon([weight], lr=0.02, max_concurrent_tasks=0.5)
+
+
+def test_a_state_offloader_is_refused_before_anything_changes():
+    """prime-rl's ``step(closure, state_offloader=...)`` is refused with a message naming
+    what to use instead; nothing was stepped."""
+    weight = torch.nn.Parameter(torch.randn(8, 6))
+    weight.grad = torch.randn(8, 6)
+    before = weight.detach().clone()
+    opt = Muon([weight], lr=0.02)
+
+    class StreamingOffloader:
+        pass
+
+    with pytest.raises(TypeError, match=r"offload='state'.*step_chunk"):
+        opt.step(state_offloader=StreamingOffloader())
+    assert (
+        torch.equal(weight, before) and not opt.state[weight].get("momentum", torch.zeros(1)).any()
+    )
