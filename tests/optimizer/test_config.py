@@ -28,9 +28,12 @@ NOT_IN_CONFIG = {
     "fsdp_mesh_dim",
     "use_triton",
     "newton_schulz_func",
+    "max_concurrent_tasks",  # prime-rl's name for max_in_flight: the config has that one
 }
 # Where the defaults differ on purpose: Muon is dion's drop-in, the config is the seed's.
-CONFIG_DEFAULTS = {"adjust_lr": ("rms_norm", "spectral_norm")}
+# (the config's default, the constructor's): None for max_in_flight means 3 unless
+# max_concurrent_tasks is given.
+CONFIG_DEFAULTS = {"adjust_lr": ("rms_norm", "spectral_norm"), "max_in_flight": (3, None)}
 
 
 def test_config_covers_every_constructor_option_with_its_default() -> None:
