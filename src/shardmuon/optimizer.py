@@ -59,11 +59,14 @@ from shardmuon.runtime.state import (
     SETTINGS_KEY,
     adopt_loaded_counts,
     adopt_loaded_groups,
+    adopt_loaded_settings,
     advance_step_counters,
     init_state,
     load_groups_to_host,
     load_hooks_held,
+    plain_settings,
     run_load_pre_hooks,
+    with_setting_tensors,
     with_settings,
 )
 from shardmuon.runtime.telemetry import StepStats
@@ -231,6 +234,9 @@ class Muon(Optimizer):
         """What is derived from the settings, not part of them (rebuilt after a copy)."""
         self._plan: Plan | None = None
         self._plan_key: tuple | None = None
+        # The scheduled settings the last state_dict() handed out as tensors (an in-place
+        # load into them is adopted at the next step: runtime/state.py).
+        self._handed_settings: list = []
         self._plan_verified = False
         # The groups of the last plan every rank agreed on: each step's live check runs there.
         self._agreed_groups: list = []
@@ -385,6 +391,7 @@ class Muon(Optimizer):
             )
         self.synchronize()  # raises while a failed overlapped step is not restored
         synchronize_all()  # this optimizer's last step, and any other's (their groups)
+        adopt_loaded_settings(self.param_groups, self._handed_settings)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -479,6 +486,7 @@ class Muon(Optimizer):
         """
         self.synchronize()
         if not self._rounds.is_open:
+            adopt_loaded_settings(self.param_groups, self._handed_settings)
             self._check_live_agreement()
         chunks = self.chunks()
         key = self._rounds.key_of(chunk, chunks)
@@ -589,6 +597,10 @@ class Muon(Optimizer):
         """
         self._overlap.discard()  # a failed overlapped step is what a restore undoes
         state_dict = run_load_pre_hooks(self, state_dict)
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("param_groups"), list):
+            # Our own state dicts hand the scheduled settings out as tensors: numbers again.
+            groups = plain_settings(state_dict["param_groups"], self.param_groups)
+            state_dict = {**state_dict, "param_groups": groups}
         merged = checked_groups(state_dict, self.param_groups, self._make_plan)
         auto_record = read_auto_record(state_dict)  # "auto"'s saved table, checked
         if self._state_stager is not None:
@@ -602,6 +614,7 @@ class Muon(Optimizer):
         self._counted_steps.clear()  # a whole load: the loaded groups' counts rule
         self._init_state()
         self._rounds.end()  # a broken round ends with the restore
+        self._handed_settings.clear()  # a whole load: its settings rule
         self._auto_record = auto_record  # its choices rule; none: "auto" measures anew
         self._plan_key = None  # replan: the loaded settings rule
         self._ensure_plan()
@@ -615,7 +628,9 @@ class Muon(Optimizer):
         if self._state_stager is not None:
             self._state_stager.wait_host()
         adopt_loaded_counts(self.param_groups, self.state, self._counted_steps)
-        return with_auto_record(super().state_dict(), self._auto_record)
+        adopt_loaded_settings(self.param_groups, self._handed_settings)
+        state_dict = with_auto_record(super().state_dict(), self._auto_record)
+        return with_setting_tensors(state_dict, self._handed_settings)
 
     def __getstate__(self) -> dict[str, Any]:
         """torch keeps defaults, state and groups; the optimizer-wide settings come too."""
@@ -623,6 +638,7 @@ class Muon(Optimizer):
         if self._state_stager is not None:  # offload: the host state as its stores left it
             self._state_stager.wait_host()
         adopt_loaded_counts(self.param_groups, self.state, self._counted_steps)
+        adopt_loaded_settings(self.param_groups, self._handed_settings)
         return with_settings(super().__getstate__(), self._settings(), COPIED_PRIVATE, self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -509,6 +509,44 @@ def _prime_rl_overlapped(ctx: Context) -> None:
     fail_on(problems)
 
 
+@case("prime_rl_in_place_resume_restores_group_settings", (2,))
+def _prime_rl_group_settings(ctx: Context) -> None:
+    """prime-rl's checkpoint loaded its way (DCP *in place* into a fresh optimizer's
+    ``state_dict()``, no ``load_state_dict``) with a warm-up schedule: the groups' lr (and
+    every scheduled setting) come back from the checkpoint, so the first resumed step uses
+    the saved lr, not the fresh optimizer's, with nothing set by hand; losses, broadcast
+    weights and final weights bitwise the uninterrupted run's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.optim.lr_scheduler import LambdaLR
+
+    def build() -> tuple[nn.Module, Muon, LambdaLR]:
+        model = _fully_sharded_moe(ctx, experts=(2, 3, 2))
+        opt = _prime_rl_optimizer(model, ctx.mesh)
+        return model, opt, LambdaLR(opt, _warmup_cosine)
+
+    reference = build()
+    expected = _prime_rl_loop(ctx, *reference, range(6))[:2]
+    model, opt, scheduler = build()
+    losses, broadcasts, folder = _prime_rl_loop(ctx, model, opt, scheduler, range(3), 2)
+    resumed_model, resumed, resumed_scheduler = build()
+    loaded = {"model": resumed_model.state_dict(), "optimizer": resumed.state_dict()}
+    dcp.load(loaded, checkpoint_id=folder)
+    resumed_model.load_state_dict(loaded["model"])
+    resumed_scheduler.load_state_dict(torch.load(f"{folder}/scheduler-{ctx.rank}.pt"))
+    more = _prime_rl_loop(ctx, resumed_model, resumed, resumed_scheduler, range(3, 6))
+    losses, broadcasts = losses + more[0], broadcasts + more[1]
+    problems = [f"loss {k} differs" for k, (a, b) in enumerate(zip(losses, expected[0])) if a != b]
+    for step, (got, want) in enumerate(zip(broadcasts, expected[1])):
+        problems += [f"step {step}: {k} differs" for k in want if not torch.equal(got[k], want[k])]
+    for (n, p), q in zip(reference[0].named_parameters(), resumed_model.parameters()):
+        if not torch.equal(local_tensor(p), local_tensor(q)):
+            problems.append(f"{n} differs after the resume")
+    lrs = [g["lr"] for g in resumed.param_groups]
+    if lrs != [g["lr"] for g in reference[1].param_groups]:
+        problems.append(f"lr after the resume {lrs}")
+    fail_on(problems)
+
+
 def _version(package: str) -> str:
     from importlib.metadata import version
 

@@ -254,3 +254,68 @@ def with_settings(
     """torch's ``__getstate__`` dict plus the settings and ``owner``'s ``private`` attributes."""
     state[SETTINGS_KEY] = {**settings, **{name: getattr(owner, name) for name in private}}
     return state
+
+
+# Group settings that schedules change as training goes (an lr warm-up, a momentum cycle):
+# dion's keys (AdamW's ``beta1``/``beta2``), and torch's ``betas`` pair where a group has one.
+# ``state_dict()`` hands them out as 0-d float64 CPU tensors (``betas``: a pair of them), so
+# that a checkpoint loaded *in place* into the tensors of ``state_dict()`` (DCP into the
+# optimizer's own dict, without ``load_state_dict``) brings them back, as it does the
+# per-parameter ``step`` counters: the next step adopts what changed.
+SCHEDULED_KEYS = ("lr", "mu", "beta1", "beta2", "betas", "weight_decay")
+
+# One handed-out setting: (group index, key, its tensors, the values written into them).
+Handed = tuple[int, str, tuple[Tensor, ...], tuple[float, ...]]
+
+
+def with_setting_tensors(state_dict: dict[str, Any], handed: list[Handed]) -> dict[str, Any]:
+    """``state_dict`` (torch's, its groups copies of the live ones) with each float of
+    :data:`SCHEDULED_KEYS` replaced by a float64 tensor holding it; ``handed`` records them
+    (replacing the record of any earlier state dict). A tensor lr the caller set is left as
+    it is: torch hands out the live tensor itself, which an in-place load already reaches."""
+    handed.clear()
+    for index, group in enumerate(state_dict["param_groups"]):
+        for key in SCHEDULED_KEYS:
+            value = group.get(key)
+            if value is None or isinstance(value, (Tensor, bool)):
+                continue
+            pair = isinstance(value, (tuple, list))
+            values = tuple(float(v) for v in value) if pair else (float(value),)
+            tensors = tuple(torch.tensor(v, dtype=torch.float64) for v in values)
+            group[key] = tensors if pair else tensors[0]
+            handed.append((index, key, tensors, values))
+    return state_dict
+
+
+def adopt_loaded_settings(param_groups: list[dict], handed: list[Handed]) -> None:
+    """A handed-out setting whose tensors no longer hold what was written was loaded in
+    place: its group takes the loaded value (a float, or a pair for ``betas``). Otherwise
+    the group's own value rules (a scheduler may have changed it since). Run before a step,
+    a state dict and a copy."""
+    for position, (index, key, tensors, values) in enumerate(handed):
+        loaded = tuple(float(t) for t in tensors)
+        if loaded == values or index >= len(param_groups):
+            continue
+        group = param_groups[index]
+        group[key] = loaded if len(loaded) > 1 else loaded[0]
+        handed[position] = (index, key, tensors, loaded)
+
+
+def plain_settings(groups: list[dict], like: list[dict] | None = None) -> list[dict]:
+    """Copies of state-dict ``groups`` with the tensors of :data:`SCHEDULED_KEYS` back as
+    Python numbers (``betas``: a tuple), except where the matching group of ``like`` holds
+    a tensor (a tensor lr the caller set). Other values as they are."""
+    out = []
+    for index, group in enumerate(groups):
+        group = dict(group)
+        current = like[index] if like is not None and index < len(like) else {}
+        for key in SCHEDULED_KEYS:
+            value = group.get(key)
+            if isinstance(current.get(key), Tensor):
+                continue
+            if isinstance(value, Tensor) and value.numel() == 1:
+                group[key] = float(value)
+            elif isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
+                group[key] = tuple(float(v) for v in value)
+        out.append(group)
+    return out

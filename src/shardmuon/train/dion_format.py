@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from shardmuon.planning.placements import local_slice
+from shardmuon.runtime.state import plain_settings
 from shardmuon.train.checkpoint import CheckpointError
 
 
@@ -64,7 +65,7 @@ def dion_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, step: in
         idx: {key: _full(value) for key, value in per_param.items() if key != "step"}
         for idx, per_param in sorted(optim_sd["state"].items())
     }
-    groups = [dict(group) for group in optim_sd["param_groups"]]
+    groups = plain_settings(optim_sd["param_groups"])  # dion's floats, not handed-out tensors
     return {"model": model_sd, "optimizer": {"state": state, "param_groups": groups}, "step": step}
 
 
