@@ -62,6 +62,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dist_overlap_cases import _fully_shard  # FSDP2 per layer, then the root
 from torch import nn
 
 import shardmuon.runtime.overlap as overlap_module
@@ -132,18 +133,6 @@ def _layers(device: torch.device, width: int = 64, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     blocks = [nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width)) for _ in range(3)]
     return nn.Sequential(nn.Linear(8, width), *blocks, nn.Linear(width, 4)).to(device)
-
-
-def _fully_shard(mesh) -> Callable[[nn.Module], nn.Module]:
-    """FSDP2 per layer, then the root (a 2-D mesh: HSDP)."""
-    from torch.distributed.fsdp import fully_shard
-
-    def wrap(model: nn.Module) -> nn.Module:
-        for block in model:
-            fully_shard(block, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-
-    return wrap
 
 
 def _optimizer(model: nn.Module, extra: Sequence[nn.Parameter] = (), **kwargs) -> Muon:

@@ -468,6 +468,19 @@ def _prime_rl_loop(ctx, model, opt, scheduler, steps: range, checkpoint_at=None)
     return losses, broadcasts, folder
 
 
+def _resumed_run_problems(expected, losses, broadcasts, reference_model, resumed_model):
+    """Where a run interrupted by a checkpoint differs from the uninterrupted one
+    (``expected``: its losses and broadcast weights): every loss, every broadcast weight,
+    and the final weights."""
+    problems = [f"loss {k} differs" for k, (a, b) in enumerate(zip(losses, expected[0])) if a != b]
+    for step, (got, want) in enumerate(zip(broadcasts, expected[1])):
+        problems += [f"step {step}: {k} differs" for k in want if not torch.equal(got[k], want[k])]
+    for (n, p), q in zip(reference_model.named_parameters(), resumed_model.parameters()):
+        if not torch.equal(local_tensor(p), local_tensor(q)):
+            problems.append(f"{n} differs after the resume")
+    return problems
+
+
 @case("prime_rl_loop_overlapped_bitwise", (2, 4))
 def _prime_rl_overlapped(ctx: Context) -> None:
     """prime-rl's call site and loop with ``overlap="forward"`` (issue #32), under random
@@ -499,13 +512,9 @@ def _prime_rl_overlapped(ctx: Context) -> None:
         resumed.overlap_with(resumed_model)
         more = _prime_rl_loop(ctx, resumed_model, resumed, resumed_scheduler, range(3, 6))
     resumed.synchronize()
-    losses, broadcasts = losses + more[0], broadcasts + more[1]
-    problems = [f"loss {k} differs" for k, (a, b) in enumerate(zip(losses, expected[0])) if a != b]
-    for step, (got, want) in enumerate(zip(broadcasts, expected[1])):
-        problems += [f"step {step}: {k} differs" for k in want if not torch.equal(got[k], want[k])]
-    for (n, p), q in zip(reference[0].named_parameters(), resumed_model.parameters()):
-        if not torch.equal(local_tensor(p), local_tensor(q)):
-            problems.append(f"{n} differs after the resume")
+    problems = _resumed_run_problems(
+        expected, losses + more[0], broadcasts + more[1], reference[0], resumed_model
+    )
     fail_on(problems)
 
 
@@ -534,13 +543,9 @@ def _prime_rl_group_settings(ctx: Context) -> None:
     resumed_model.load_state_dict(loaded["model"])
     resumed_scheduler.load_state_dict(torch.load(f"{folder}/scheduler-{ctx.rank}.pt"))
     more = _prime_rl_loop(ctx, resumed_model, resumed, resumed_scheduler, range(3, 6))
-    losses, broadcasts = losses + more[0], broadcasts + more[1]
-    problems = [f"loss {k} differs" for k, (a, b) in enumerate(zip(losses, expected[0])) if a != b]
-    for step, (got, want) in enumerate(zip(broadcasts, expected[1])):
-        problems += [f"step {step}: {k} differs" for k in want if not torch.equal(got[k], want[k])]
-    for (n, p), q in zip(reference[0].named_parameters(), resumed_model.parameters()):
-        if not torch.equal(local_tensor(p), local_tensor(q)):
-            problems.append(f"{n} differs after the resume")
+    problems = _resumed_run_problems(
+        expected, losses + more[0], broadcasts + more[1], reference[0], resumed_model
+    )
     lrs = [g["lr"] for g in resumed.param_groups]
     if lrs != [g["lr"] for g in reference[1].param_groups]:
         problems.append(f"lr after the resume {lrs}")

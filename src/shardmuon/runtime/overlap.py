@@ -210,6 +210,11 @@ class OverlappedStep:
                 event.set()  # nothing waits forever for a chunk a failure left undone
 
     @property
+    def on_cuda(self) -> bool:
+        """Whether the step runs on CUDA (its waits are stream waits on events)."""
+        return self._cuda
+
+    @property
     def finished(self) -> bool:
         return self._finished.is_set()
 
@@ -649,7 +654,7 @@ class ForwardOverlap:
             return
         try:
             with self._timed():
-                pending.wait_all(self._fsdp_streams())
+                pending.wait_all(self._fsdp_streams() if pending.on_cuda else ())
         except OverlapError as err:
             self.pending = None
             self.failed = err  # raised again by every later wait until a restore
