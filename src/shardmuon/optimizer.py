@@ -65,6 +65,7 @@ from shardmuon.runtime.state import (
     load_groups_to_host,
     load_hooks_held,
     plain_settings,
+    restore_fp32_state,
     run_load_pre_hooks,
     with_setting_tensors,
     with_settings,
@@ -83,6 +84,7 @@ from shardmuon.validation import (
     check_optimizer_settings,
     group_defaults,
     resolve_max_in_flight,
+    with_sinkhorn_defaults,
 )
 
 __all__ = ["Muon"]
@@ -93,13 +95,17 @@ class Muon(Optimizer):
 
     The update of each matrix (the last two dims of a Muon parameter; each block of a
     partitioned one) is :func:`shardmuon.functional.muon_update_`'s (its math is written
-    there); ``"adamw"`` groups get dion's AdamW. The owner of each matrix (one rank of its
+    there); ``"adamw"`` groups get dion's AdamW; ``"sinkhorn"`` groups (embeddings, output
+    heads) the Sinkhorn update of :mod:`shardmuon.ops.sinkhorn` (DeepSeek-V4.1's, as prime-rl
+    runs it: keys ``sinkhorn_iters`` (odd, default 11), ``sinkhorn_tau`` (1e-3),
+    ``sinkhorn_eps`` (1e-20), ``sinkhorn_lr_scale`` (0.18); ``mu`` is its momentum; no
+    weight decay; its row and column sums all-reduced over the dims that split it). The owner of each matrix (one rank of its
     shard group) runs Newton–Schulz on the whole matrix; the others send their pieces and
     get theirs of the result back (``planning/`` decides who, ``runtime/`` does it).
 
     Args:
-        params: param groups (dicts with ``params`` and ``algorithm`` = ``"muon"`` or
-            ``"adamw"``), or an iterable of tensors (one Muon group).
+        params: param groups (dicts with ``params`` and ``algorithm`` = ``"muon"``,
+            ``"sinkhorn"`` or ``"adamw"``), or an iterable of tensors (one Muon group).
         distributed_mesh, world_mesh, fsdp_mesh_dim, use_triton: dion's arguments, accepted
             for drop-in use and only type-checked (distribution comes from the placements).
         newton_schulz_func: dion's custom-orthogonalization hook; only ``None`` is accepted.
@@ -280,6 +286,8 @@ class Muon(Optimizer):
         self.synchronize()
         self._rounds.refuse_while_open("add_param_group")
         given_alias = MOMENTUM_ALIAS in param_group
+        if isinstance(param_group, dict):
+            param_group = with_sinkhorn_defaults(param_group)
         super().add_param_group(param_group)
         if not given_alias:
             self.param_groups[-1].pop(MOMENTUM_ALIAS, None)
@@ -327,7 +335,7 @@ class Muon(Optimizer):
         for index, group in enumerate(self.param_groups):
             check_group(index, group)
         plan = self._make_plan()
-        check_backends(agreement_groups(plan.batches), self._device())
+        check_backends(agreement_groups(plan.batches, plan.sinkhorn), self._device())
         self._plan, self._plan_key = plan, key
         self._init_state()
         self._plan_verified = False
@@ -338,12 +346,13 @@ class Muon(Optimizer):
         init_state(self.param_groups, self.state, self.offload == "state", self._counted_steps)
 
     def chunks(self) -> list[Chunk]:
-        """Muon batches (exchanged ones first), then AdamW groups; fixed while the plan is
+        """Sinkhorn parameters (one chunk each), Muon batches (exchanged ones first), then
+        AdamW groups, the order ``step()`` runs their collectives in; fixed while the plan is
         (a changed planned setting gives new chunk objects at the next round: an open
         ``step_chunk`` round keeps the plan it began with)."""
         if not self._rounds.is_open:
             self._ensure_plan()
-        return [*self._plan.batches, *self._plan.adamw]
+        return [*self._plan.sinkhorn, *self._plan.batches, *self._plan.adamw]
 
     def chunk_info(self, chunk: Chunk) -> ChunkInfo:
         """What ``chunk`` (one of :meth:`chunks`) holds: parameters, matrices, state bytes."""
@@ -365,7 +374,11 @@ class Muon(Optimizer):
 
     def _warm_plan_groups(self, setting: bool | None) -> None:
         plan = self._plan
-        warm_up(plan_groups(plan.batches), warmup_sizes(plan.batches), self._device(), setting)
+        groups, sizes = (
+            plan_groups(plan.batches, plan.sinkhorn),
+            warmup_sizes(plan.batches, plan.sinkhorn),
+        )
+        warm_up(groups, sizes, self._device(), setting)
 
     def _device(self) -> torch.device:
         for group in self.param_groups:
@@ -523,7 +536,7 @@ class Muon(Optimizer):
                 self._warm_plan_groups(self.warmup_setting)
             self._calibrate_auto()
             self._plan_verified = True
-            self._agreed_groups = agreement_groups(self._plan.batches)
+            self._agreed_groups = agreement_groups(self._plan.batches, self._plan.sinkhorn)
             self._agreed_plan, self._agreed_key = self._plan, self._plan_key
 
         advance_step_counters(self.param_groups, self.state, self._counted_steps)
@@ -611,6 +624,7 @@ class Muon(Optimizer):
             else:
                 super().load_state_dict(state_dict)
         adopt_loaded_groups(self.param_groups, self.state, merged, DROPPED_KEYS)
+        restore_fp32_state(self.param_groups, self.state, state_dict)
         self._counted_steps.clear()  # a whole load: the loaded groups' counts rule
         self._init_state()
         self._rounds.end()  # a broken round ends with the restore

@@ -10,7 +10,10 @@ integer ids in ``state_dict()["state"]``, match dion checkpoints:
 * among the Muon parameters, MoE expert stacks get their own group, routers get their own
   group, and the rest form the main group;
 * groups come in the order main Muon, experts, router, adamw; a group with no parameter
-  is left out.
+  is left out;
+* with ``embedding_update="sinkhorn"``, the 2-D embedding tables and output heads
+  (``embed_tokens``, ``lm_head``) go to a ``sinkhorn`` group instead (prime-rl's Sinkhorn
+  update, ``ops/sinkhorn.py``), placed before the adamw group.
 
 Names are matched on their dotted components, so wrapper prefixes (``_orig_mod.`` from
 ``torch.compile``, ``module.`` from DDP, ``_checkpoint_wrapped_module.``) do not matter,
@@ -63,6 +66,7 @@ __all__ = [
     "MUON",
     "MUON_EXPERTS",
     "MUON_ROUTER",
+    "SINKHORN",
     "RoutedParams",
     "build_param_groups",
     "fused_qkv_partition",
@@ -78,7 +82,10 @@ MUON_EXPERTS = "muon_experts"
 MUON_ROUTER = "muon_router"
 # The label of the AdamW group: norms, biases, embeddings, the output head.
 ADAMW = "adamw"
-GROUP_ORDER = (MUON, MUON_EXPERTS, MUON_ROUTER, ADAMW)
+# The label of embeddings and output heads under ``embedding_update="sinkhorn"``.
+SINKHORN = "sinkhorn"
+GROUP_ORDER = (MUON, MUON_EXPERTS, MUON_ROUTER, SINKHORN, ADAMW)
+EMBEDDING_UPDATES = ("adamw", "sinkhorn")
 
 _ROUTER_COMPONENTS = frozenset({"router", "gate"})
 _EXPERT_COMPONENTS = frozenset({"experts"})
@@ -99,7 +106,7 @@ class RoutedParams:
 
     ``groups``: param-group dicts ready for ``Muon(params=groups, ...)``.
     ``partitions``: ``{param: row counts along dim -2}`` for ``Muon(matrix_partitions=...)``.
-    ``labels``: ``{name: "muon" | "muon_experts" | "muon_router" | "adamw"}`` for every
+    ``labels``: ``{name: "muon" | "muon_experts" | "muon_router" | "sinkhorn" | "adamw"}`` for every
     routed (trainable) parameter, in the order the names were given.
     """
 
@@ -127,6 +134,11 @@ def route_name(name: str, ndim: int) -> str:
     if "mlp.router" in name or _ROUTER_COMPONENTS.intersection(parts):
         return MUON_ROUTER
     return MUON
+
+
+def _is_embedding(name: str, ndim: int) -> bool:
+    """An embedding table or output head, by prime-rl's names (2-D only)."""
+    return ndim == 2 and ("lm_head" in name or "embed_tokens" in name)
 
 
 def gate_up_partition(
@@ -258,6 +270,7 @@ def build_param_groups(
     num_key_value_heads: int | None = None,
     head_dim: int | None = None,
     partition_fused: bool = True,
+    embedding_update: str = "adamw",
 ) -> RoutedParams:
     """Route ``named_params`` (e.g. ``model.named_parameters()``) into Muon param groups.
 
@@ -271,7 +284,15 @@ def build_param_groups(
     ``gate_up_proj`` ``[..., 2I, H]`` -> ``(I, I)``; a fused QKV -> ``(q, k, v)`` rows, only
     when ``num_attention_heads`` is given. ``partition_fused=False`` returns no partitions
     (dion never partitions, so bitwise parity with dion checkpoints needs this).
+
+    ``embedding_update``: ``"adamw"`` (default, prime-rl's routing) or ``"sinkhorn"``: 2-D
+    ``embed_tokens``/``lm_head`` parameters form a ``{params, algorithm="sinkhorn", lr}``
+    group (prime-rl's Sinkhorn defaults; no weight decay), labelled ``"sinkhorn"``.
     """
+    if embedding_update not in EMBEDDING_UPDATES:
+        raise ValueError(
+            f"embedding_update must be one of {EMBEDDING_UPDATES!r}, got {embedding_update!r}"
+        )
     if adjust_lr not in ADJUST_LR_CHOICES:
         raise ValueError(f"adjust_lr must be one of {ADJUST_LR_CHOICES!r}, got {adjust_lr!r}")
     if num_attention_heads is None and (num_key_value_heads is not None or head_dim is not None):
@@ -304,6 +325,8 @@ def build_param_groups(
             continue
         seen.add(id(param))
         label = route_name(name, param.ndim)
+        if embedding_update == SINKHORN and label == ADAMW and _is_embedding(name, param.ndim):
+            label = SINKHORN
         labels[name] = label
         members[label].append(param)
         if partition_fused and label != ADAMW:
@@ -320,6 +343,7 @@ def build_param_groups(
             "distributed_mesh_name": expert_mesh_name,
         },
         MUON_ROUTER: {**muon_opts, "adjust_lr": adjust_lr},
+        SINKHORN: {"algorithm": "sinkhorn", "lr": lr},
         ADAMW: {"algorithm": "adamw", "lr": lr, "weight_decay": weight_decay},
     }
     groups = [{"params": members[label], **specs[label]} for label in GROUP_ORDER if members[label]]

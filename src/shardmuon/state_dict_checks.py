@@ -21,7 +21,7 @@ from shardmuon.validation import MOMENTUM_ALIAS, check_group, check_number
 __all__ = ["DROPPED_KEYS", "STATE_KEYS", "checked_groups"]
 
 # The state a parameter has under each algorithm (dion's keys).
-STATE_KEYS = {"muon": {"momentum"}, "adamw": {"momentum", "variance"}}
+STATE_KEYS = {"muon": {"momentum"}, "sinkhorn": {"momentum"}, "adamw": {"momentum", "variance"}}
 # shardmuon's per-parameter step counter: optional on load (dion has none; it is made from
 # the group's ``step``).
 OPTIONAL_KEYS = {"step"}

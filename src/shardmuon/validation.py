@@ -23,6 +23,7 @@ from shardmuon.ops.engines import (
     resolve_restarts,
 )
 from shardmuon.ops.newton_schulz import check_preconditioner
+from shardmuon.ops.sinkhorn import SINKHORN_DEFAULTS, check_iters
 from shardmuon.ops.update import ADJUST_LR_CHOICES
 
 __all__ = [
@@ -43,11 +44,13 @@ __all__ = [
     "check_mesh",
     "check_number",
     "check_optimizer_settings",
+    "check_sinkhorn_settings",
     "group_defaults",
     "resolve_max_in_flight",
+    "with_sinkhorn_defaults",
 ]
 
-ALGORITHMS = ("muon", "adamw")
+ALGORITHMS = ("muon", "sinkhorn", "adamw")
 # The smallest ``epsilon``: float32's smallest normal number. The normalisation adds epsilon
 # to a float32 norm; a smaller one is 0 or subnormal there (flushed to 0 where denormals
 # are), and an all-zero gradient (an expert that got no token) is then 0 / 0: NaN in every
@@ -142,7 +145,8 @@ def check_group_settings(index: int, group: dict) -> None:
     check_momentum_alias(index, group)
     if group["algorithm"] not in ALGORITHMS:
         raise ValueError(
-            f"{where}: unknown algorithm {group['algorithm']!r}; accepted: 'muon', 'adamw'"
+            f"{where}: unknown algorithm {group['algorithm']!r}; accepted: 'muon', "
+            "'sinkhorn', 'adamw'"
             + (" (dion's 'lion' is not implemented)" if group["algorithm"] == "lion" else "")
         )
     check_adjust_lr(f"{where}: ", group["adjust_lr"])
@@ -152,6 +156,8 @@ def check_group_settings(index: int, group: dict) -> None:
     check_number(f"{where}: beta2", group["beta2"], 1.0)
     check_number(f"{where}: weight_decay", group["weight_decay"])
     check_epsilon(f"{where}: epsilon", group["epsilon"])
+    if group["algorithm"] == "sinkhorn":
+        check_sinkhorn_settings(where, group)
     for key in ("nesterov", "flatten"):
         if not isinstance(group[key], bool):
             raise TypeError(f"{where}: {key} must be True or False, got {group[key]!r}")
@@ -172,6 +178,26 @@ def check_group_settings(index: int, group: dict) -> None:
         raise ValueError(f"{where}: step must be an int >= 0, got {step!r}")
 
 
+def check_sinkhorn_settings(where: str, group: dict) -> None:
+    """A Sinkhorn group's own keys (``ops/sinkhorn.py``; prime-rl's defaults are filled in)."""
+    iters = group.get("sinkhorn_iters")
+    try:
+        check_iters(iters)
+    except ValueError as err:
+        raise ValueError(f"{where}: sinkhorn_iters: {err}") from None
+    check_number(f"{where}: sinkhorn_tau", group.get("sinkhorn_tau"))
+    check_number(f"{where}: sinkhorn_eps", group.get("sinkhorn_eps"), positive=True)
+    check_number(f"{where}: sinkhorn_lr_scale", group.get("sinkhorn_lr_scale"), positive=True)
+
+
+def with_sinkhorn_defaults(group: dict) -> dict:
+    """A Sinkhorn group with prime-rl's defaults for the keys it does not give (other
+    groups as they are: the keys stay out of dion-compatible groups)."""
+    if group.get("algorithm") != "sinkhorn":
+        return group
+    return {**group, **{k: v for k, v in SINKHORN_DEFAULTS.items() if k not in group}}
+
+
 def check_group(index: int, group: dict) -> None:
     """A param group after defaults are filled in: settings, then each parameter."""
     check_group_settings(index, group)
@@ -188,6 +214,11 @@ def check_group(index: int, group: dict) -> None:
             raise TypeError(
                 f"{where}: parameter {i} has dtype {p.dtype}; shardmuon steps real "
                 "floating-point parameters only (as torch.optim.Muon, complex ones are refused)"
+            )
+        if group["algorithm"] == "sinkhorn" and p.ndim != 2:
+            raise ValueError(
+                f"{where} (algorithm 'sinkhorn'): parameter {i} has shape {tuple(p.shape)}; "
+                "the Sinkhorn update needs 2-D matrices (embedding tables, output heads)"
             )
         if group["algorithm"] == "muon" and p.ndim < 2:
             raise ValueError(

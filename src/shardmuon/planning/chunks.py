@@ -9,15 +9,18 @@ from torch import Tensor
 
 from shardmuon.planning.batches import MuonBatch, Segment, batch_key
 from shardmuon.planning.placements import local_tensor
-from shardmuon.planning.plan import AdamWChunk, ChunkInfo, Plan, setting_float
+from shardmuon.planning.plan import AdamWChunk, ChunkInfo, Plan, SinkhornChunk, setting_float
 
 __all__ = ["Chunk", "batch_for_directions", "chunk_info", "communicates"]
 
-Chunk = MuonBatch | AdamWChunk
+Chunk = MuonBatch | SinkhornChunk | AdamWChunk
 
 
 def communicates(chunk: Chunk) -> bool:
-    """Whether stepping ``chunk`` runs a collective (an all-to-all or a replica broadcast)."""
+    """Whether stepping ``chunk`` runs a collective (an all-to-all, a replica broadcast, a
+    Sinkhorn chunk's all-reduces)."""
+    if isinstance(chunk, SinkhornChunk):
+        return chunk.communicates
     return isinstance(chunk, MuonBatch) and (chunk.layout.exchanged or chunk.replica is not None)
 
 
@@ -29,6 +32,15 @@ def chunk_info(plan: Plan, param_groups: list[dict], state: dict, chunk: Chunk) 
             local_tensor(state[p][key]).nbytes for p in params for key in ("momentum", "variance")
         )
         return ChunkInfo("adamw", params, (), None, nbytes, False)
+    if isinstance(chunk, SinkhornChunk):
+        if all(chunk is not c for c in plan.sinkhorn):
+            raise ValueError("chunk_info got a chunk that is not in this optimizer's chunks()")
+        param = param_groups[chunk.group_index]["params"][chunk.param_index]
+        layout = chunk.layout
+        nbytes = local_tensor(state[param]["momentum"]).nbytes
+        local = (layout.local_rows, layout.local_cols)
+        shapes = ((layout.rows, layout.cols),)
+        return ChunkInfo("sinkhorn", (param,), shapes, local, nbytes, chunk.communicates)
     if not isinstance(chunk, MuonBatch) or all(chunk is not b for b in plan.batches):
         raise ValueError("chunk_info got a chunk that is not in this optimizer's chunks()")
     layout = chunk.layout

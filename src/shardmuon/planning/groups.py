@@ -26,6 +26,7 @@ __all__ = [
     "group_of_ranks",
     "job_timeout",
     "made_in_this_world",
+    "mesh_dim_group",
     "replica_group",
 ]
 
@@ -82,7 +83,7 @@ def _mesh_ranks(mesh, mesh_dims: Sequence[int]) -> tuple[int, ...]:
     return tuple(mesh.mesh[index].flatten().tolist())
 
 
-def _mesh_group(mesh, mesh_dim: int) -> ShardGroup:
+def mesh_dim_group(mesh, mesh_dim: int) -> ShardGroup:
     """The process group along ``mesh_dim`` that holds this rank."""
     return _group_of(mesh.get_group(mesh_dim), _mesh_ranks(mesh, (mesh_dim,)))
 
@@ -116,7 +117,7 @@ def replica_group(mesh, order: MeshOrder, mesh_dim: int) -> ShardGroup:
     others = [d for d in range(order.grid.ndim) if d != mesh_dim]
     parts = holders(order, (), others)
     if parts == holders(order, others, ()):
-        return _mesh_group(mesh, mesh_dim)
+        return mesh_dim_group(mesh, mesh_dim)
     members = _part_of(parts)
     in_mesh_order = tuple(sorted(members, key=lambda r: order.coordinate_of(r)[mesh_dim]))
     return _group_of(_part_group(parts, members), in_mesh_order)
@@ -250,7 +251,7 @@ def _shard_group(mesh, mesh_dims: tuple[int, ...]) -> tuple[ShardGroup, tuple[in
     """
     mesh_ranks = _mesh_ranks(mesh, mesh_dims)
     if len(mesh_dims) == 1:
-        return _mesh_group(mesh, mesh_dims[0]), mesh_ranks
+        return mesh_dim_group(mesh, mesh_dims[0]), mesh_ranks
     members = tuple(sorted(mesh_ranks))
     process_group = _existing_flattened_group(mesh, members)
     if process_group is None:

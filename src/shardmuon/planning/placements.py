@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
 
-from shardmuon.planning.groups import ShardGroup, exchange_group, replica_group
+from shardmuon.planning.groups import ShardGroup, exchange_group, mesh_dim_group, replica_group
 from shardmuon.planning.mesh_order import (
     MeshOrder,
     mesh_order,
@@ -47,12 +47,14 @@ from shardmuon.planning.pieces import Piece, shard_ranges
 
 __all__ = [
     "MatrixLayout",
+    "SinkhornLayout",
     "group_pieces",
     "local_indices",
     "local_slice",
     "local_tensor",
     "matrix_layout",
     "placed_ambiguously",
+    "sinkhorn_layout",
 ]
 
 
@@ -219,6 +221,25 @@ def _local_view_shape(shape: torch.Size, flatten: bool) -> tuple[int, int, int]:
     return math.prod(shape[:-2]), shape[-2], shape[-1]
 
 
+def _refuse_partial(name: str, param: DTensor, placement: Placement) -> None:
+    if isinstance(placement, Partial):
+        raise ValueError(
+            f"parameter {_describe(name, param)} has a Partial placement; parameters must "
+            "be Replicate or Shard"
+        )
+
+
+def _refuse_foreign_mesh(name: str, param: DTensor) -> None:
+    """Refuse a parameter on a mesh without this rank (before any group is made)."""
+    mesh = param.device_mesh
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"parameter {_describe(name, param)} lives on a device mesh of ranks "
+            f"{mesh.mesh.flatten().tolist()} that does not include this rank "
+            f"({dist.get_rank()}); give the optimizer only the parameters this rank holds"
+        )
+
+
 def _split_factor(name: str, param: DTensor, placement: Placement) -> int:
     """1 for ``Shard``, ``sf`` for ``_StridedShard``; other shard kinds are refused."""
     if type(placement) is Shard:
@@ -249,13 +270,8 @@ def matrix_layout(
     tensor is not the piece the placements describe. Refusals come before any process group
     is made.
     """
-    if isinstance(param, DTensor) and param.device_mesh.get_coordinate() is None:
-        mesh = param.device_mesh
-        raise ValueError(
-            f"parameter {_describe(name, param)} lives on a device mesh of ranks "
-            f"{mesh.mesh.flatten().tolist()} that does not include this rank "
-            f"({dist.get_rank()}); give the optimizer only the parameters this rank holds"
-        )
+    if isinstance(param, DTensor):
+        _refuse_foreign_mesh(name, param)
     rows, cols = _global_matrix(param.shape, flatten)
     local = local_tensor(param)
     num, local_rows, local_cols = _local_view_shape(local.shape, flatten)
@@ -277,11 +293,7 @@ def matrix_layout(
     replicate_dims = []
     batch_shard_dims = []  # mesh dims that shard only batch dims (experts)
     for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Partial):
-            raise ValueError(
-                f"parameter {_describe(name, param)} has a Partial placement; parameters must "
-                "be Replicate or Shard"
-            )
+        _refuse_partial(name, param, placement)
         if mesh.size(mesh_dim) == 1:
             continue
         if isinstance(placement, Replicate):
@@ -382,3 +394,80 @@ def _in_group_order(
     :mod:`shardmuon.planning.mesh_order`) by rank index in ``group``, the numbering
     all-to-all splits and owners count in."""
     return tuple(grid[order.grid_index(rank, mesh_dims)] for rank in group.ranks)
+
+
+@dataclass(frozen=True)
+class SinkhornLayout:
+    """How one Sinkhorn parameter (a 2-D ``[rows, cols]`` matrix) lies on this rank.
+
+    The Sinkhorn update needs only sums over rows and over columns, so no rank needs to know
+    which rows or columns another holds: ``row_groups`` are the groups of the mesh dims that
+    split the rows (a column statistic is summed over them, one after another),
+    ``col_groups`` those that split the columns (a row statistic is summed over them).
+    ``replicas``: the groups of the mesh dims that replicate it (HSDP), whose members
+    compute the same update and must agree on it.
+    """
+
+    rows: int
+    cols: int
+    local_rows: int
+    local_cols: int
+    row_groups: tuple[ShardGroup, ...] = ()
+    col_groups: tuple[ShardGroup, ...] = ()
+    replicas: tuple[ShardGroup, ...] = ()
+
+    @property
+    def communicates(self) -> bool:
+        return bool(self.row_groups or self.col_groups)
+
+
+def sinkhorn_layout(name: str, param: Tensor) -> SinkhornLayout:
+    """Read a Sinkhorn parameter's layout from its placements (plain tensors are whole).
+
+    ``Shard``/``_StridedShard`` of dim 0 or 1 and ``Replicate`` are accepted on any mesh
+    dims; ``Partial`` is refused (``ValueError``), as is a mesh that lists its ranks out of
+    ascending order when both rows and columns are split (which columns a rank holds then
+    depends on how its shard was placed, so rows could be summed with other columns').
+    """
+    if param.ndim != 2:
+        raise ValueError(
+            f"parameter {name} has shape {tuple(param.shape)}; the Sinkhorn update needs a "
+            "2-D matrix (an embedding table or an output head)"
+        )
+    local = local_tensor(param)
+    base = dict(
+        rows=param.shape[0],
+        cols=param.shape[1],
+        local_rows=local.shape[0],
+        local_cols=local.shape[1],
+    )
+    if not isinstance(param, DTensor):
+        return SinkhornLayout(**base)
+    mesh = param.device_mesh
+    _refuse_foreign_mesh(name, param)
+    split: tuple[list[int], list[int]] = ([], [])
+    replicated = []
+    for mesh_dim, placement in enumerate(param.placements):
+        _refuse_partial(name, param, placement)
+        if mesh.size(mesh_dim) == 1:
+            continue
+        if isinstance(placement, Replicate):
+            replicated.append(mesh_dim)
+            continue
+        _split_factor(name, param, placement)  # Shard or _StridedShard, else refused
+        split[placement.dim % 2].append(mesh_dim)
+    rows_split, cols_split = split
+    if rows_split and cols_split and mesh_order(mesh).permuted:
+        raise ValueError(
+            f"parameter {_describe(name, param)} on a device mesh of ranks "
+            f"{mesh.mesh.tolist()}: rows and columns are both split over a mesh that lists "
+            "ranks out of ascending order, so which columns a rank holds depends on how its "
+            "shard was placed. Build the mesh with the ranks of every dim in ascending order "
+            "(init_device_mesh does)"
+        )
+    return SinkhornLayout(
+        **base,
+        row_groups=tuple(mesh_dim_group(mesh, d) for d in rows_split),
+        col_groups=tuple(mesh_dim_group(mesh, d) for d in cols_split),
+        replicas=tuple(mesh_dim_group(mesh, d) for d in replicated),
+    )

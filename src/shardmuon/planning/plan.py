@@ -2,23 +2,36 @@
 
 For every Muon parameter: its layout (``placements.matrix_layout``), its checked partitions and
 the lr scale of each local row range; then the batches (``batches.plan_batches``) and one
-chunk per AdamW group.
+chunk per AdamW group; one per Sinkhorn parameter (its layout: ``placements.sinkhorn_layout``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
 from shardmuon.ops.orthogonalizer import DEFAULT_COST, EngineCost
 from shardmuon.ops.partitions import check_partitions, dion_group_partitions, row_scales
 from shardmuon.planning.batches import MuonBatch, PlanEntry, plan_batches
-from shardmuon.planning.placements import MatrixLayout, matrix_layout
+from shardmuon.planning.placements import (
+    MatrixLayout,
+    SinkhornLayout,
+    matrix_layout,
+    sinkhorn_layout,
+)
 from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES, local_batch_size
 
-__all__ = ["AdamWChunk", "ChunkInfo", "Plan", "build_plan", "plan_key", "setting_float"]
+__all__ = [
+    "AdamWChunk",
+    "ChunkInfo",
+    "Plan",
+    "SinkhornChunk",
+    "build_plan",
+    "plan_key",
+    "setting_float",
+]
 
 
 @dataclass(frozen=True)
@@ -29,14 +42,27 @@ class AdamWChunk:
 
 
 @dataclass(frozen=True)
+class SinkhornChunk:
+    """One parameter of a Sinkhorn group (``param_index``: its position in the group)."""
+
+    group_index: int
+    param_index: int
+    layout: SinkhornLayout
+
+    @property
+    def communicates(self) -> bool:
+        return self.layout.communicates
+
+
+@dataclass(frozen=True)
 class ChunkInfo:
     """What one chunk of ``Muon.chunks()`` holds (for trainers that schedule or offload it).
 
     ``params``: the parameters it updates, in order. ``matrix_shapes``: for a Muon chunk, the
-    global ``(rows, cols)`` of each of its matrices (empty for AdamW); ``local_shape``: this
-    rank's ``(rows, cols)`` of them. ``state_bytes``: this rank's bytes of optimizer state
-    the chunk reads and writes (Muon: the momentum of its matrices; AdamW: momentum and
-    variance). ``communicates``: stepping it runs a collective (then chunks must be stepped
+    global ``(rows, cols)`` of each of its matrices (Sinkhorn: its one matrix; empty for
+    AdamW); ``local_shape``: this rank's ``(rows, cols)`` of them. ``state_bytes``: this
+    rank's bytes of optimizer state the chunk reads and writes (Muon: the momentum of its
+    matrices; Sinkhorn: its fp32 momentum; AdamW: momentum and variance). ``communicates``: stepping it runs a collective (then chunks must be stepped
     in ``chunks()`` order).
     """
 
@@ -61,6 +87,7 @@ class Plan:
     adamw: list[AdamWChunk]
     # The Newton–Schulz engine's cost model the batches were cut and balanced with.
     ns_cost: EngineCost = DEFAULT_COST
+    sinkhorn: list[SinkhornChunk] = field(default_factory=list)
 
 
 def plan_key(
@@ -187,6 +214,12 @@ def build_plan(
 
     batches = plan_batches(entries, rotate_owners, split_replicas, local_size, matrix_cost)
     adamw = [AdamWChunk(g) for g, grp in enumerate(param_groups) if grp["algorithm"] == "adamw"]
+    sinkhorn = [
+        SinkhornChunk(g, i, sinkhorn_layout(f"group {g} param {i} (algorithm 'sinkhorn')", p))
+        for g, grp in enumerate(param_groups)
+        if grp["algorithm"] == "sinkhorn"
+        for i, p in enumerate(grp["params"])
+    ]
     return Plan(
         params=[p for _, p in muon_params],
         group_of=[g for g, _ in muon_params],
@@ -196,4 +229,5 @@ def build_plan(
         batches=batches,
         adamw=adamw,
         ns_cost=ns_cost,
+        sinkhorn=sinkhorn,
     )

@@ -54,6 +54,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.groups import ShardGroup
+from shardmuon.planning.placements import SinkhornLayout
+from shardmuon.planning.plan import SinkhornChunk
 
 __all__ = [
     "agreement_groups",
@@ -70,22 +72,38 @@ __all__ = [
 # Keys of a group that change the update of its parameters.
 UPDATE_KEYS = ("lr", "weight_decay", "mu", "nesterov", "epsilon", "adjust_lr", "flatten")
 ADAMW_KEYS = ("lr", "beta1", "beta2", "weight_decay", "epsilon")
+SINKHORN_KEYS = (
+    "lr", "mu", "sinkhorn_iters", "sinkhorn_tau", "sinkhorn_eps", "sinkhorn_lr_scale",
+)  # fmt: skip
+# The groups every rank's description holds whole (their parameters' updates must agree
+# wherever they are stepped), with the keys that change that update.
+WHOLE_GROUP_KEYS = {"adamw": ADAMW_KEYS, "sinkhorn": SINKHORN_KEYS}
 # Keys of a group compared at every step: the update's and AdamW's, what the plan reads
 # (algorithm, partitions), the step count (bias correction) and torch's momentum alias.
 LIVE_GROUP_KEYS = (
     "algorithm", "lr", "mu", "beta1", "beta2", "weight_decay", "epsilon", "nesterov",
     "adjust_lr", "flatten", "step", "split_sizes", "num_heads", "momentum",
+    "sinkhorn_iters", "sinkhorn_tau", "sinkhorn_eps", "sinkhorn_lr_scale",
 )  # fmt: skip
 
 
-def agreement_groups(batches: Iterable[MuonBatch]) -> list[ShardGroup]:
-    """Every group the batches communicate over or replicate across, sorted by ranks."""
+def agreement_groups(
+    batches: Iterable[MuonBatch], sinkhorn: Iterable[SinkhornChunk] = ()
+) -> list[ShardGroup]:
+    """Every group the batches communicate over or replicate across, and every group a
+    Sinkhorn parameter is summed or replicated over, sorted by ranks."""
     groups: dict[tuple[int, ...], ShardGroup] = {}
-    for batch in batches:
-        for group in (batch.layout.group, batch.layout.replicas):
-            if group is not None and group.size > 1:
-                groups.setdefault(group.ranks, group)
+    candidates = [g for b in batches for g in (b.layout.group, b.layout.replicas)]
+    candidates += [g for chunk in sinkhorn for g in sinkhorn_groups(chunk.layout)]
+    for group in candidates:
+        if group is not None and group.size > 1:
+            groups.setdefault(group.ranks, group)
     return [groups[ranks] for ranks in sorted(groups)]
+
+
+def sinkhorn_groups(layout: SinkhornLayout) -> tuple[ShardGroup, ...]:
+    """The groups a Sinkhorn parameter's sums run over, then those that replicate it."""
+    return (*layout.row_groups, *layout.col_groups, *layout.replicas)
 
 
 def _shard_group_seen_by_replicas(layout) -> tuple[int, int, int]:
@@ -107,25 +125,70 @@ def _settings_entry(settings: Mapping[str, object]) -> Entry:
     return "the optimizer's settings", tuple(settings.items())
 
 
-def _adamw_entries(param_groups: Sequence[dict]) -> list[Entry]:
-    """AdamW groups: their shards are updated by every member alike, so their settings,
-    step (the bias correction) and parameters must agree too."""
+def _whole_group_entries(param_groups: Sequence[dict]) -> list[Entry]:
+    """AdamW and Sinkhorn groups: their shards are updated by every member alike, so their
+    settings, step (AdamW's bias correction) and parameters must agree too."""
     entries = []
     for index, group in enumerate(param_groups):
-        if group.get("algorithm") != "adamw":
+        keys = WHOLE_GROUP_KEYS.get(group.get("algorithm"))
+        if keys is None:
             continue
         shapes = tuple(tuple(p.shape) for p in group["params"])
         entries.append(
             (
-                f"AdamW param group {index}",
+                f"{_ALGORITHM_NAMES[group['algorithm']]} param group {index}",
                 (
-                    *((key, _value(group[key])) for key in ADAMW_KEYS),
+                    *((key, _value(group[key])) for key in keys),
                     ("step", group["step"]),
                     ("parameters (count, shapes)", (len(shapes), hash(shapes))),
                 ),
             )
         )
     return entries
+
+
+_ALGORITHM_NAMES = {"adamw": "AdamW", "sinkhorn": "Sinkhorn"}
+
+
+def _sinkhorn_entries(
+    ranks: tuple[int, ...], sinkhorn: Sequence[SinkhornChunk], param_groups: Sequence[dict]
+) -> tuple[list[Entry], list[bool], list[tuple[int, ...]]]:
+    """The Sinkhorn parameters summed or replicated over group ``ranks``, in plan order
+    (the order their all-reduces run in, before any batch): what each is to the group, and
+    whether it has a grad (its sums run on all members or none)."""
+    entries: list[Entry] = []
+    flags: list[bool] = []
+    missing: list[tuple[int, ...]] = []
+    for chunk in sinkhorn:
+        layout = chunk.layout
+        roles = tuple(
+            role
+            for role, groups in (
+                ("rows split", layout.row_groups),
+                ("columns split", layout.col_groups),
+                ("replicated", layout.replicas),
+            )
+            if any(g.ranks == ranks for g in groups)
+        )
+        if not roles:
+            continue
+        param = param_groups[chunk.group_index]["params"][chunk.param_index]
+        entries.append(
+            (
+                f"Sinkhorn parameter {len(flags)} over this group",
+                (
+                    ("shape", (layout.rows, layout.cols)),
+                    ("dtype", str(param.dtype)),
+                    ("split over", roles),
+                    ("sums over (rows, columns)", (len(layout.row_groups), len(layout.col_groups))),
+                ),
+            )
+        )
+        present = param.grad is not None
+        flags.append(present)
+        if not present:
+            missing.append(tuple(param.shape))
+    return entries, flags, missing
 
 
 def _batch_entry(batch: MuonBatch, position: int, as_shard: bool) -> Entry:
@@ -179,6 +242,7 @@ def describe(
     param_groups: Sequence[dict],
     settings: Mapping[str, object],
     ops: Sequence[tuple[str, int]] = (),
+    sinkhorn: Sequence[SinkhornChunk] = (),
 ) -> tuple[list[Entry], list[bool], list[tuple[int, ...]]]:
     """What the members of group ``ranks`` must agree on, seen from this rank.
 
@@ -187,9 +251,9 @@ def describe(
     named), the grad-presence flags of the described segments, and the shapes of this rank's
     described parameters that have no grad (for the message).
     """
-    described: list[Entry] = [_settings_entry(settings), *_adamw_entries(param_groups)]
-    flags: list[bool] = []
-    missing: list[tuple[int, ...]] = []
+    described: list[Entry] = [_settings_entry(settings), *_whole_group_entries(param_groups)]
+    described_sinkhorn, flags, missing = _sinkhorn_entries(ranks, sinkhorn, param_groups)
+    described += described_sinkhorn
     position: dict[int, int] = {}  # batch index -> its position among the described ones
     for batch, as_shard in batches_over(ranks, batches):
         position[batch.index] = len(position)
@@ -320,9 +384,9 @@ def live_settings(
     common: list[Entry] = [
         _settings_entry({name: _plain(value) for name, value in settings.items()}),
         *(
-            (f"AdamW param group {index}", values[index])
+            (f"{_ALGORITHM_NAMES[group['algorithm']]} param group {index}", values[index])
             for index, group in enumerate(param_groups)
-            if group.get("algorithm") == "adamw"
+            if group.get("algorithm") in WHOLE_GROUP_KEYS
         ),
         # Last: a setting that differs is named before the plan it rebuilt.
         ("the plan", (("rebuilt since the last check", plan_rebuilt),)),
@@ -457,6 +521,7 @@ def check_agreement(
     ops: Sequence[tuple[str, int]] = (),
     compare_grads: bool = True,
     rounds: int = 0,
+    sinkhorn: Sequence[SinkhornChunk] = (),
 ) -> list[int]:
     """Raise on every rank of the job when the ranks of a group disagree (see the module
     docstring). ``compare_grads=False`` (``check_grads="never"``): the grad flags are left
@@ -472,7 +537,7 @@ def check_agreement(
     reduced: list[tuple[ShardGroup, list, list, Tensor]] = []
     for group in groups:
         described, flags, missing = describe(
-            group.ranks, batches, params, group_of, param_groups, settings, ops
+            group.ranks, batches, params, group_of, param_groups, settings, ops, sinkhorn
         )
         plan_hash = _hash63(described)
         grads_hash = _hash63(flags if compare_grads else ())
@@ -539,8 +604,10 @@ def check_plan_agreement(
 ) -> list[int]:
     """:func:`check_agreement` over every group a plan (``planning.plan.Plan``) uses, in
     the order of :func:`agreement_groups`; returns each group's agreed spread count."""
-    rounds = spread_rounds(plan.params)
+    sinkhorn_params = [param_groups[c.group_index]["params"][c.param_index] for c in plan.sinkhorn]
+    rounds = spread_rounds([*plan.params, *sinkhorn_params])
     return check_agreement(
-        agreement_groups(plan.batches), plan.batches, plan.params, plan.group_of,
-        param_groups, settings, device, ops, compare_grads=compare_grads, rounds=rounds,
+        agreement_groups(plan.batches, plan.sinkhorn), plan.batches, plan.params,
+        plan.group_of, param_groups, settings, device, ops, compare_grads=compare_grads,
+        rounds=rounds, sinkhorn=plan.sinkhorn,
     )  # fmt: skip

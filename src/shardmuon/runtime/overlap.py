@@ -37,6 +37,7 @@ import torch.distributed as dist
 from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.groups import group_of_ranks, made_in_this_world
 from shardmuon.planning.placements import local_tensor
+from shardmuon.planning.plan import SinkhornChunk
 from shardmuon.runtime.warmup import warm_up, warmup_sizes
 
 __all__ = [
@@ -59,7 +60,7 @@ OVERLAP_CHOICES = (None, "forward")
 # Seconds between checks while waiting: a KeyboardInterrupt is seen this often.
 _POLL_SECONDS = 0.1
 
-ChunkKey = tuple[str, int]  # ("batch", i) or ("adamw", k)
+ChunkKey = tuple[str, int]  # ("batch", i), ("sinkhorn", k) or ("adamw", k)
 
 
 class OverlapError(RuntimeError):
@@ -83,10 +84,17 @@ def forward_order(batches: Sequence[MuonBatch]) -> list[int]:
     return sorted(range(len(batches)), key=lambda i: (first(i), i))
 
 
-def step_groups_of(batches: Sequence[MuonBatch]) -> set[tuple[int, ...]]:
+def step_groups_of(
+    batches: Sequence[MuonBatch], sinkhorn: Sequence[SinkhornChunk] = ()
+) -> set[tuple[int, ...]]:
     """The global ranks of every group the step's collectives run over on this rank (each
-    exchanged batch's group; each split replica's)."""
-    out = set()
+    exchanged batch's group; each split replica's; each group a Sinkhorn parameter's sums
+    run over)."""
+    out = {
+        tuple(sorted(g.ranks))
+        for chunk in sinkhorn
+        for g in (*chunk.layout.row_groups, *chunk.layout.col_groups)
+    }
     for batch in batches:
         layout = batch.layout
         if layout.exchanged:
@@ -297,7 +305,8 @@ def snapshot_grads(params: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
 
 def chunks_of_params(plan, param_groups: Sequence[dict]) -> dict[int, set[ChunkKey]]:
     """``id(parameter)`` -> the chunks whose step writes it: the batches holding its matrices
-    (several for a partitioned or widely stacked parameter), or its AdamW group's chunk."""
+    (several for a partitioned or widely stacked parameter), its Sinkhorn chunk, or its
+    AdamW group's chunk."""
     out: dict[int, set[ChunkKey]] = {}
     for i, batch in enumerate(plan.batches):
         for segment in batch.segments:
@@ -305,6 +314,9 @@ def chunks_of_params(plan, param_groups: Sequence[dict]) -> dict[int, set[ChunkK
     for k, chunk in enumerate(plan.adamw):
         for p in param_groups[chunk.group_index]["params"]:
             out.setdefault(id(p), set()).add(("adamw", k))
+    for k, sinkhorn in enumerate(plan.sinkhorn):
+        p = param_groups[sinkhorn.group_index]["params"][sinkhorn.param_index]
+        out.setdefault(id(p), set()).add(("sinkhorn", k))
     return out
 
 
@@ -601,10 +613,10 @@ class ForwardOverlap:
         forward's collectives."""
         if self._chunks[0] is plan:
             return
-        self._step_groups = step_process_groups(step_groups_of(plan.batches))
+        self._step_groups = step_process_groups(step_groups_of(plan.batches, plan.sinkhorn))
         self._chunks = (plan, chunks_of_params(plan, param_groups))
         groups = {ranks: [group] for ranks, group in self._step_groups.items()}
-        warm_up(groups, warmup_sizes(plan.batches), device, warm)
+        warm_up(groups, warmup_sizes(plan.batches, plan.sinkhorn), device, warm)
 
     def start(
         self,
@@ -642,6 +654,7 @@ class ForwardOverlap:
 
         keys = [("batch", i) for i in range(len(plan.batches))]
         keys += [("adamw", k) for k in range(len(plan.adamw))]
+        keys += [("sinkhorn", k) for k in range(len(plan.sinkhorn))]
         self.pending = OverlappedStep(work, keys, ctx.device, list(ctx.grads.values()))
         self._stats = stats
 

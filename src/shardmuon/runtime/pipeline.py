@@ -3,7 +3,8 @@
 :func:`run_step` runs every batch of the plan in the order
 :func:`shardmuon.planning.workspace.step_schedule` gives: several batches in flight
 (all-to-alls overlap Newton–Schulz), bounded by ``max_in_flight`` and by the workspace
-budget in bytes; AdamW chunks once the first gather is under way. :func:`step_one_chunk`
+budget in bytes; Sinkhorn chunks first (in plan order: their all-reduces pair up on every
+rank), AdamW chunks once the first gather is under way. :func:`step_one_chunk`
 runs one chunk for ``Muon.step_chunk``. With offload, both load each chunk's state through
 :class:`_Staging` (load ahead, acquire, use, store), the only code that drives the stager.
 """
@@ -15,7 +16,7 @@ from collections.abc import Callable, Hashable, Sequence
 from torch import Tensor
 
 from shardmuon.planning.batches import MuonBatch
-from shardmuon.planning.plan import AdamWChunk
+from shardmuon.planning.plan import AdamWChunk, SinkhornChunk
 from shardmuon.planning.workspace import batch_bytes
 from shardmuon.runtime.adamw_step import (
     AdamWProgress,
@@ -35,6 +36,12 @@ from shardmuon.runtime.phases import (
     step_batch,
     update_all_momenta,
 )
+from shardmuon.runtime.sinkhorn_step import (
+    SinkhornProgress,
+    sinkhorn_peak_bytes,
+    sinkhorn_state_views,
+    step_sinkhorn,
+)
 
 __all__ = ["chunk_progress", "run_step", "step_one_chunk"]
 
@@ -49,25 +56,37 @@ def run_step(
     (:func:`shardmuon.planning.workspace.step_schedule` of the plan, for the budget
     ``ctx.workspace_bytes``); returns the estimated peak bytes.
 
-    AdamW runs once the first batch's gather is under way (it overlaps that traffic). With
-    a ``stager`` (offload), each batch's momentum and each AdamW chunk's state is loaded
-    ``stager.prefetch`` chunks ahead of its use and stored right after it. ``done`` is
-    called with ``("batch", i)`` or ``("adamw", k)`` once that chunk's parameters are
-    updated (the overlapped step's waits, :mod:`shardmuon.runtime.overlap`).
+    Sinkhorn chunks run first, in plan order (the same on every rank of their groups, so
+    their all-reduces pair up; the forward reads embeddings first). AdamW runs once the
+    first batch's gather is under way (it overlaps that traffic). With a ``stager``
+    (offload), each chunk's state is loaded ``stager.prefetch`` chunks ahead of its use and
+    stored right after it. ``done`` is called with ``("batch", i)``, ``("sinkhorn", k)`` or
+    ``("adamw", k)`` once that chunk's parameters are updated (the overlapped step's waits, :mod:`shardmuon.runtime.overlap`).
     """
     plan = ctx.plan
     sizes = [batch_bytes(b, plan.ns_cost) for b in plan.batches]
     runs = {i: new_run(ctx, batch) for i, batch in enumerate(plan.batches)}
     if stager is None:
         update_all_momenta(ctx, list(runs.values()))
-    ops = _with_adamw(schedule, len(plan.adamw))
+    ops = [*(("sinkhorn", k) for k in range(len(plan.sinkhorn)))]
+    ops += _with_adamw(schedule, len(plan.adamw))
     staging = None
     if stager is not None:
-        uses = [op for op in ops if op[0] in ("prepare", "adamw")]
+        uses = [op for op in ops if op[0] in ("prepare", "adamw", "sinkhorn")]
         staging = _Staging(stager, uses, lambda use: _state_views(ctx, runs, use))
     held = peak = 0
     try:
         for phase, i in ops:
+            if phase == "sinkhorn":
+                if i == 0:
+                    peak = max(peak, sinkhorn_peak_bytes(plan.sinkhorn))
+                staged = staging.take() if staging else None
+                step_sinkhorn(ctx, plan.sinkhorn[i], staged=staged)
+                if staging:
+                    staging.release()
+                if done is not None:
+                    done(("sinkhorn", i))
+                continue
             if phase == "adamw":
                 if i == 0:
                     peak = max(peak, held + adamw_peak_bytes(ctx))
@@ -111,6 +130,8 @@ def _state_views(ctx: StepContext, runs: dict[int, BatchRun], use: tuple[str, in
     phase, i = use
     if phase == "adamw":
         return adamw_state_views(ctx, ctx.plan.adamw[i])
+    if phase == "sinkhorn":
+        return sinkhorn_state_views(ctx, ctx.plan.sinkhorn[i])
     return momentum_views(ctx, runs[i])
 
 
@@ -140,15 +161,23 @@ class _Staging:
         self.position += 1
 
 
-def chunk_progress(ctx: StepContext, chunk: MuonBatch | AdamWChunk) -> BatchRun | AdamWProgress:
+Chunk = MuonBatch | SinkhornChunk | AdamWChunk
+Progress = BatchRun | SinkhornProgress | AdamWProgress
+
+
+def chunk_progress(ctx: StepContext, chunk: Chunk) -> Progress:
     """A chunk's progress through its step, from the start (see :func:`step_one_chunk`)."""
-    return AdamWProgress() if isinstance(chunk, AdamWChunk) else new_run(ctx, chunk)
+    if isinstance(chunk, AdamWChunk):
+        return AdamWProgress()
+    if isinstance(chunk, SinkhornChunk):
+        return SinkhornProgress()
+    return new_run(ctx, chunk)
 
 
 def step_one_chunk(
     ctx: StepContext,
-    chunk: MuonBatch | AdamWChunk,
-    progress: BatchRun | AdamWProgress,
+    chunk: Chunk,
+    progress: Progress,
     stager: StateStager | None,
     key: Hashable,
 ) -> None:
@@ -159,12 +188,16 @@ def step_one_chunk(
     if stager is not None and not getattr(progress, "prepared", False):
         if isinstance(chunk, AdamWChunk):
             views = adamw_state_views(ctx, chunk)
+        elif isinstance(chunk, SinkhornChunk):
+            views = sinkhorn_state_views(ctx, chunk)
         else:
             views = momentum_views(ctx, progress)
         staging = _Staging(stager, [key], lambda _: views)
     try:
         if isinstance(chunk, AdamWChunk):
             step_adamw(ctx, chunk, progress, staged=staging.take() if staging else None)
+        elif isinstance(chunk, SinkhornChunk):
+            step_sinkhorn(ctx, chunk, progress, staged=staging.take() if staging else None)
         else:
             if staging:
                 progress.momenta = staging.take()

@@ -14,7 +14,6 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from shardmuon.planning.chunks import Chunk, communicates
-from shardmuon.runtime.phases import BatchRun
 
 __all__ = ["ChunkRounds"]
 
@@ -92,7 +91,7 @@ class ChunkRounds:
         try:
             step(progress)
         except BaseException as error:
-            if isinstance(progress, BatchRun) and progress.communicated:
+            if getattr(progress, "communicated", False):
                 self.broken = _unreplayable(key, error)
             else:
                 self.pending[key] = progress

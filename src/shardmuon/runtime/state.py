@@ -35,11 +35,14 @@ __all__ = [
     "load_groups_to_host",
     "load_hooks_held",
     "placed",
+    "restore_fp32_state",
     "run_load_pre_hooks",
 ]
 
 # The state a parameter has under each algorithm (dion's keys).
-STATE_KEYS = {"muon": ("momentum",), "adamw": ("momentum", "variance")}
+STATE_KEYS = {"muon": ("momentum",), "sinkhorn": ("momentum",), "adamw": ("momentum", "variance")}
+# State kept in float32 whatever the parameter's dtype (prime-rl's Sinkhorn momentum).
+FP32_STATE = {"sinkhorn": ("momentum",)}
 
 
 def init_state(
@@ -54,11 +57,15 @@ def init_state(
         last = counted.get(index)
         for p in group["params"]:
             entry = state[p]
+            fp32 = FP32_STATE.get(group["algorithm"], ())
             for key in STATE_KEYS[group["algorithm"]]:
                 value = entry.get(key)
+                dtype = torch.float32 if key in fp32 else None
                 if value is None:
-                    value = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif isinstance(p, DTensor) and not isinstance(value, DTensor):
+                    value = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                elif dtype is not None and value.dtype != dtype:
+                    value = value.to(dtype)
+                if isinstance(p, DTensor) and not isinstance(value, DTensor):
                     value = _distribute_like(value, p)
                 entry[key] = placed(value, p, offloaded)
             counter = entry.get("step")
@@ -66,6 +73,24 @@ def init_state(
                 entry["step"] = _step_counter(group["step"], counter)
         if last is None:
             counted[index] = group["step"]
+
+
+def restore_fp32_state(param_groups: list[dict], state: dict, loaded: dict) -> None:
+    """torch's ``load_state_dict`` casts every floating state tensor to its parameter's
+    dtype: state kept in float32 (:data:`FP32_STATE`, a bf16 table's Sinkhorn momentum) is
+    taken again from the ``loaded`` dict, as float32 (no precision lost). Run right after
+    torch's load, with the dict it loaded (its ``param_groups`` list ids in the order of
+    ``param_groups``' parameters, as torch maps them)."""
+    saved_state = loaded.get("state", {})
+    saved_ids = [i for group in loaded.get("param_groups", []) for i in group["params"]]
+    params = [(group, p) for group in param_groups for p in group["params"]]
+    for saved_id, (group, p) in zip(saved_ids, params):
+        keys = FP32_STATE.get(group["algorithm"], ())
+        saved = saved_state.get(saved_id, {})
+        for key in keys:
+            value = saved.get(key)
+            if isinstance(value, Tensor) and p.dtype != torch.float32:
+                state[p][key] = value.detach().to(torch.float32, copy=True)
 
 
 def adopt_loaded_counts(param_groups: list[dict], state: dict, counted: dict[int, int]) -> None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from shardmuon.planning.batches import MuonBatch
 from shardmuon.planning.groups import ShardGroup, made_in_this_world
+from shardmuon.planning.plan import SinkhornChunk
 from shardmuon.runtime.exchange import backend_serving
 
 __all__ = [
@@ -47,23 +48,37 @@ _BF16 = 2
 @dataclass(frozen=True)
 class GroupWarmup:
     """What the step runs over one group: ``piece``, the largest per-peer message of its
-    all-to-alls (elements; 0: none), and ``broadcast``, the largest result a replica shares
-    over it (elements; 0: none)."""
+    all-to-alls (elements; 0: none), ``broadcast``, the largest result a replica shares
+    over it (elements; 0: none), and ``reduce``, the largest vector a Sinkhorn parameter's
+    sums all-reduce over it (fp32 elements; 0: none)."""
 
     piece: int = 0
     broadcast: int = 0
+    reduce: int = 0
 
     def covers(self, other: GroupWarmup) -> bool:
-        return self.piece >= other.piece and self.broadcast >= other.broadcast
+        return (
+            self.piece >= other.piece
+            and self.broadcast >= other.broadcast
+            and self.reduce >= other.reduce
+        )
 
     def union(self, other: GroupWarmup) -> GroupWarmup:
-        return GroupWarmup(max(self.piece, other.piece), max(self.broadcast, other.broadcast))
+        return GroupWarmup(
+            max(self.piece, other.piece),
+            max(self.broadcast, other.broadcast),
+            max(self.reduce, other.reduce),
+        )
 
 
-def warmup_sizes(batches: Iterable[MuonBatch]) -> dict[tuple[int, ...], GroupWarmup]:
+def warmup_sizes(
+    batches: Iterable[MuonBatch], sinkhorn: Iterable[SinkhornChunk] = ()
+) -> dict[tuple[int, ...], GroupWarmup]:
     """Sorted global ranks -> :class:`GroupWarmup`, for every group of more than one rank the
     batches exchange over (the largest piece of any member: the same on every member) or
-    share results over (``split_replicas``: a stack of this shard's pieces)."""
+    share results over (``split_replicas``: a stack of this shard's pieces), and every group
+    a Sinkhorn parameter's sums run over (a column's sums over the groups splitting its rows:
+    ``cols`` values; a row's over those splitting its columns: at most ``rows``)."""
     out: dict[tuple[int, ...], GroupWarmup] = {}
 
     def add(group: ShardGroup, need: GroupWarmup) -> None:
@@ -79,20 +94,29 @@ def warmup_sizes(batches: Iterable[MuonBatch]) -> dict[tuple[int, ...], GroupWar
         if batch.replica is not None:
             shared = batch.planned_matrices * layout.local_rows * layout.local_cols
             add(layout.replicas, GroupWarmup(broadcast=shared))
+    for chunk in sinkhorn:
+        layout = chunk.layout
+        for group in layout.row_groups:
+            add(group, GroupWarmup(reduce=layout.cols))
+        for group in layout.col_groups:
+            add(group, GroupWarmup(reduce=layout.rows))
     return out
 
 
-def plan_groups(batches: Iterable[MuonBatch]) -> dict[tuple[int, ...], list[dist.ProcessGroup]]:
+def plan_groups(
+    batches: Iterable[MuonBatch], sinkhorn: Iterable[SinkhornChunk] = ()
+) -> dict[tuple[int, ...], list[dist.ProcessGroup]]:
     """Sorted global ranks -> every distinct process group object of those ranks the batches
-    exchange or replicate over (two meshes over the same ranks are two communicators), in
-    the batches' order (the same on every member)."""
+    exchange or replicate over and the Sinkhorn parameters sum over (two meshes over the
+    same ranks are two communicators), in plan order (the same on every member)."""
     out: dict[tuple[int, ...], list[dist.ProcessGroup]] = {}
-    for batch in batches:
-        for group in (batch.layout.group, batch.layout.replicas):
-            if group is not None and group.size > 1:
-                same = out.setdefault(tuple(sorted(group.ranks)), [])
-                if not any(g is group.process_group for g in same):
-                    same.append(group.process_group)
+    candidates = [g for b in batches for g in (b.layout.group, b.layout.replicas)]
+    candidates += [g for c in sinkhorn for g in (*c.layout.row_groups, *c.layout.col_groups)]
+    for group in candidates:
+        if group is not None and group.size > 1:
+            same = out.setdefault(tuple(sorted(group.ranks)), [])
+            if not any(g is group.process_group for g in same):
+                same.append(group.process_group)
     return out
 
 
@@ -152,3 +176,6 @@ def _run(group: dist.ProcessGroup, ranks: tuple[int, ...], need: GroupWarmup, de
     if need.broadcast:
         shared = torch.zeros(min(need.broadcast, cap), dtype=torch.bfloat16, device=device)
         dist.broadcast(shared, src=ranks[0], group=group)
+    if need.reduce:
+        summed = torch.zeros(min(need.reduce, cap // 2), dtype=torch.float32, device=device)
+        dist.all_reduce(summed, group=group)
