@@ -163,6 +163,8 @@ class MuonConfig(BaseModel):
     check_grads: Literal["first", "always", "never"] = "first"
     # "forward": the step behind the next forward (shardmuon.runtime.overlap).
     overlap: Literal["forward"] | None = None
+    # "parameter": one AdamW chunk per parameter in chunks() (a caller-streamed offload).
+    adamw_chunks: Literal["group", "parameter"] = "group"
     # The engine table's names (shardmuon.ops.engines.ENGINES, and "auto").
     newton_schulz_impl: str = "folded"
     newton_schulz_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"

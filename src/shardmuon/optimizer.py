@@ -61,6 +61,7 @@ from shardmuon.runtime.state import (
     adopt_loaded_groups,
     adopt_loaded_settings,
     advance_step_counters,
+    check_state_devices,
     init_state,
     load_groups_to_host,
     load_hooks_held,
@@ -150,6 +151,9 @@ class Muon(Optimizer):
         overlap: ``"forward"``: ``step()`` checks, starts the step in the background and
             returns; with :meth:`overlap_with`, each module's next forward waits only for
             its own parameters' chunks (``runtime/overlap.py``). ``None`` (default): not.
+        adamw_chunks: ``"group"`` (default): one AdamW chunk per group in :meth:`chunks`;
+            ``"parameter"``: one per parameter (a trainer that moves each chunk's state to
+            the device and back holds one parameter's at a time).
 
     A matrix whose direction holds NaN or inf is skipped: its orthogonalized direction is
     zero (weight decay still applies), it is counted in ``last_step_stats.nonfinite_matrices``
@@ -190,6 +194,7 @@ class Muon(Optimizer):
         warmup: bool | None = None,
         check_grads: str = "first",
         overlap: str | None = None,
+        adamw_chunks: str = "group",
         world_mesh: Any = None,
         fsdp_mesh_dim: Any = None,
     ) -> None:
@@ -235,6 +240,7 @@ class Muon(Optimizer):
 
     # ``warmup``, as given (a class default for copies made before it existed).
     warmup_setting: bool | None = None
+    adamw_chunks: str = "group"
 
     def _reset_runtime(self) -> None:
         """What is derived from the settings, not part of them (rebuilt after a copy)."""
@@ -307,6 +313,7 @@ class Muon(Optimizer):
             self.split_replicas,
             self.workspace_bytes,
             self._newton_schulz_settings().cost(self._device().type),
+            self.adamw_chunks,
         )
 
     def _make_plan(self, param_groups: list[dict] | None = None) -> Plan:
@@ -341,9 +348,17 @@ class Muon(Optimizer):
         self._plan_verified = False
         self._auto_choices = None
 
-    def _init_state(self) -> None:
-        """State for every parameter, where it lives (``runtime/state.py``)."""
-        init_state(self.param_groups, self.state, self.offload == "state", self._counted_steps)
+    def _init_state(self, keep_placed: bool = False) -> None:
+        """State for every parameter, where it lives (``runtime/state.py``); ``keep_placed``:
+        existing state stays on the device it is on (a ``step_chunk`` round: the caller may
+        keep each chunk's state elsewhere between its steps)."""
+        init_state(
+            self.param_groups,
+            self.state,
+            self.offload == "state",
+            self._counted_steps,
+            keep_placed=keep_placed,
+        )
 
     def chunks(self) -> list[Chunk]:
         """Sinkhorn parameters (one chunk each), Muon batches (exchanged ones first), then
@@ -400,7 +415,8 @@ class Muon(Optimizer):
                 "streamed chunk by chunk, at most offload_prefetch chunks on the device), or "
                 "step chunk by chunk yourself: for chunk in opt.chunks(): move "
                 "opt.chunk_info(chunk).params' grads and state to the device, "
-                "opt.step_chunk(chunk), move them back"
+                "opt.step_chunk(chunk), move them back (Muon(adamw_chunks='parameter'): one "
+                "AdamW parameter per chunk)"
             )
         self.synchronize()  # raises while a failed overlapped step is not restored
         synchronize_all()  # this optimizer's last step, and any other's (their groups)
@@ -504,12 +520,16 @@ class Muon(Optimizer):
         chunks = self.chunks()
         key = self._rounds.key_of(chunk, chunks)
         if not self._rounds.is_open:
-            self._begin_round()
+            self._begin_round(keep_placed=True)
             self._rounds.open()
             # The round's settings, read once: an edit between its chunks (on one rank: a
             # divergence) takes effect at the next round, whose live check compares it.
             self._round_context = self._context([snapshot_group(g) for g in self.param_groups])
         ctx, stager = self._round_context, self._stager()
+        if stager is None:
+            check_state_devices(
+                chunk_info(ctx.plan, ctx.param_groups, self.state, chunk).params, self.state
+            )
         self._rounds.run(
             key,
             lambda: chunk_progress(ctx, chunk),
@@ -517,14 +537,16 @@ class Muon(Optimizer):
             len(chunks),
         )
 
-    def _begin_round(self) -> list[tuple[str, int]]:
+    def _begin_round(self, keep_placed: bool = False) -> list[tuple[str, int]]:
         """Checks first (nothing changes if they raise), then the step counters advance.
-        Returns the step's schedule (computed once per plan and budget)."""
+        Returns the step's schedule (computed once per plan and budget). ``keep_placed``:
+        existing state is not moved (see :meth:`_init_state`)."""
         self._ensure_plan()
         check_grads(self.param_groups)
         # State replaced by the user (a channels_last momentum) or offload changed: every
-        # state tensor where the step expects it (offload: contiguous host memory).
-        self._init_state()
+        # state tensor where the step expects it (offload: contiguous host memory); a
+        # step_chunk round leaves it where the caller keeps it.
+        self._init_state(keep_placed)
         # "never" still compares the plan once: a rank configured otherwise would meet the
         # check with its first all-to-all.
         schedule = self._step_schedule()

@@ -27,6 +27,7 @@ from shardmuon.ops.sinkhorn import SINKHORN_DEFAULTS, check_iters
 from shardmuon.ops.update import ADJUST_LR_CHOICES
 
 __all__ = [
+    "ADAMW_CHUNKS_CHOICES",
     "AGREED_SETTINGS",
     "ALGORITHMS",
     "CHECK_GRADS_CHOICES",
@@ -292,10 +293,14 @@ OPTIMIZER_SETTINGS = (
     "split_replicas",
     "check_grads",
     "overlap",
+    "adamw_chunks",
 )
 # Those the ranks of a group must share: offload only moves where a rank keeps its state.
 AGREED_SETTINGS = tuple(name for name in OPTIMIZER_SETTINGS if not name.startswith("offload"))
 CHECK_GRADS_CHOICES = ("first", "always", "never")
+# How AdamW groups are cut into chunks: one per group, or one per parameter (for a trainer
+# that moves each chunk's state to the device and back).
+ADAMW_CHUNKS_CHOICES = ("group", "parameter")
 
 
 def check_int(name: str, value: Any, low: int, accepted: str) -> None:
@@ -335,6 +340,7 @@ def check_optimizer_settings(
     check_engine_settings(settings, len(settings["coefficients"]))
     _check_choice("check_grads", settings["check_grads"], CHECK_GRADS_CHOICES)
     _check_choice("overlap", settings.get("overlap"), overlap_choices)
+    _check_choice("adamw_chunks", settings.get("adamw_chunks", "group"), ADAMW_CHUNKS_CHOICES)
     for name in ("rotate_owners", "split_replicas"):
         if not isinstance(settings[name], bool):
             raise TypeError(f"{name} must be True or False, got {settings[name]!r}")

@@ -347,3 +347,73 @@ def test_an_overlapped_step_on_cuda_1_makes_no_context_on_cuda_0(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "context on cuda:0: False" in done.stdout, done.stdout
+
+
+def _streamed_model(seed: int = 0) -> list[torch.nn.Parameter]:
+    """24 Muon matrices 2048x2048, a Sinkhorn table and head (4096x1024), two biases."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(4096, 1024), (4096, 1024)] + [(2048, 2048)] * 24 + [(1024,)] * 2
+    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).cuda()) for s in shapes]
+
+
+def _streamed_optimizer(params) -> Muon:
+    groups = [
+        dict(params=params[:2], algorithm="sinkhorn", lr=0.02),
+        dict(params=params[2:26]),
+        dict(params=params[26:], algorithm="adamw"),
+    ]
+    return Muon(groups, lr=0.02, workspace_bytes=8 * 2**20, adamw_chunks="parameter")
+
+
+def _move_state(opt: Muon, params, device, counters: bool = True) -> None:
+    for p in params:
+        for key, value in opt.state[p].items():
+            if isinstance(value, torch.Tensor) and (counters or key != "step"):
+                moved = value.to(device, non_blocking=True)
+                opt.state[p][key] = moved.pin_memory() if device == "cpu" else moved
+
+
+@pytest.mark.parametrize("counters_on_gpu", [False, True], ids=["counters-cpu", "counters-gpu"])
+def test_a_caller_streamed_offload_holds_one_chunk_above_the_model(counters_on_gpu) -> None:
+    """prime-rl's loop on a GPU: each chunk's state (counters too) moved to the device for its
+    step_chunk and back. The update is bitwise the plain step's; the device holds at most one
+    chunk's state plus the step's transients above the model and its grads (the whole state
+    would be several times that); counters kept on the GPU are read and advanced there."""
+    reference_params, params = _streamed_model(), _streamed_model()
+    reference, opt = _streamed_optimizer(reference_params), _streamed_optimizer(params)
+    _move_state(opt, params, "cpu")
+    if counters_on_gpu:
+        for p in params:
+            opt.state[p]["step"] = opt.state[p]["step"].cuda()
+    infos = [opt.chunk_info(c) for c in opt.chunks()]
+    whole = sum(i.state_bytes for i in infos)
+    largest = max(i.state_bytes for i in infos)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=gen).cuda() for p in params]
+        for p, q, g in zip(reference_params, params, grads):
+            p.grad, q.grad = g.clone(), g
+        reference.step()
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for chunk in opt.chunks():
+            chunk_params = opt.chunk_info(chunk).params
+            _move_state(opt, chunk_params, "cuda", counters=not counters_on_gpu)
+            opt.step_chunk(chunk)
+            _move_state(opt, chunk_params, "cpu", counters=not counters_on_gpu)
+        torch.cuda.synchronize()
+        above = torch.cuda.max_memory_allocated() - baseline
+        # Transients: the step's own estimate of its workspace, or one Sinkhorn chunk's two
+        # fp32 buffers, with room for the allocator's rounding.
+        estimate = opt.last_step_stats.workspace_peak_bytes
+        transients = max(estimate, 2 * 4 * 4096 * 1024) * 3 // 2
+        bound = largest + transients + 4 * 2**20
+        assert above <= bound, (above, largest, estimate)
+        assert whole > 2 * bound, (whole, bound)
+    _move_state(opt, params, "cuda")
+    for p, q in zip(reference_params, params):
+        assert torch.equal(p, q)
+        assert torch.equal(reference.state[p]["momentum"], opt.state[q]["momentum"])
+        assert float(opt.state[q]["step"]) == 3
+    assert all(g["step"] == 3 for g in opt.param_groups)

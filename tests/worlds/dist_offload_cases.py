@@ -160,7 +160,70 @@ def prime_rl_in_place_dcp_resume_bitwise(ctx: Context) -> None:
         )
 
 
+class _LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(13, 8)
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, 13, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(torch.tanh(self.proj(self.embed_tokens(tokens)))))
+
+
+def _lm(ctx: Context) -> nn.Module:
+    torch.manual_seed(0)
+    model = _LM()
+    for module in (model.embed_tokens, model.proj, model.lm_head):
+        fully_shard(module, mesh=ctx.mesh)
+    return fully_shard(model, mesh=ctx.mesh)
+
+
+def _lm_step(model: nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(50 + step)
+    tokens = torch.randint(0, 13, (4, 6), generator=gen)
+    logits = model(tokens)
+    nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(1, 1).flatten()).backward()
+
+
+def prime_rl_streamed_loop_bitwise(ctx: Context) -> None:
+    """prime-rl's own streamed offload through the chunk API (each chunk's state brought
+    back right before ``step_chunk`` and parked after it, AdamW one parameter per chunk),
+    Sinkhorn groups for the embedding and the head: bitwise ``step()`` under FSDP2, and no
+    parked state touched (``tests/support/streaming.py``)."""
+    from streaming import ParkedState, streamed_step
+
+    from shardmuon.routing import build_param_groups
+
+    models = [_lm(ctx), _lm(ctx)]
+    opts = [
+        Muon(
+            build_param_groups(
+                m.named_parameters(), lr=0.02, weight_decay=0.1, embedding_update="sinkhorn"
+            ).groups,
+            max_concurrent_tasks=2,
+            **kwargs,
+        )
+        for m, kwargs in zip(models, ({}, {"adamw_chunks": "parameter"}))
+    ]
+    parked = ParkedState(opts[1])
+    parked.park_all()
+    for step in range(3):
+        for model in models:
+            _lm_step(model, step)
+        opts[0].step()
+        streamed_step(opts[1], parked)
+        for opt in opts:
+            opt.zero_grad()
+    parked.unpark([p for g in opts[1].param_groups for p in g["params"]])
+    assert_same_local_optimizers(
+        opts[0], list(models[0].parameters()), opts[1], list(models[1].parameters())
+    )
+
+
 CASES: dict[str, Callable[[Context], None]] = {
+    "prime_rl_streamed_loop_bitwise": prime_rl_streamed_loop_bitwise,
     "prime_rl_in_place_dcp_resume_bitwise": prime_rl_in_place_dcp_resume_bitwise,
     "bitwise_with_one_process": bitwise_with_one_process,
     "fully_shard_model_bitwise": fully_shard_model_bitwise,

@@ -27,7 +27,7 @@ def communicates(chunk: Chunk) -> bool:
 def chunk_info(plan: Plan, param_groups: list[dict], state: dict, chunk: Chunk) -> ChunkInfo:
     """What ``chunk`` holds: parameters, matrix shapes, this rank's state bytes."""
     if isinstance(chunk, AdamWChunk):
-        params = tuple(param_groups[chunk.group_index]["params"])
+        params = tuple(chunk.params_of(param_groups))
         nbytes = sum(
             local_tensor(state[p][key]).nbytes for p in params for key in ("momentum", "variance")
         )

@@ -36,9 +36,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class AdamWChunk:
-    """All parameters of one AdamW group."""
+    """The parameters of one AdamW group: all of them, or only the one at ``param_index``
+    (``Muon(adamw_chunks="parameter")``)."""
 
     group_index: int
+    param_index: int | None = None
+
+    def params_of(self, param_groups: list[dict]) -> list[Tensor]:
+        params = param_groups[self.group_index]["params"]
+        return list(params) if self.param_index is None else [params[self.param_index]]
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,7 @@ def plan_key(
     split_replicas: bool,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     ns_cost: EngineCost = DEFAULT_COST,
+    adamw_chunks: str = "group",
 ) -> tuple:
     """Everything a plan is built from, as a comparable value.
 
@@ -126,6 +133,7 @@ def plan_key(
         bool(split_replicas),
         int(workspace_bytes),
         ns_cost,
+        adamw_chunks,
     )
 
 
@@ -146,10 +154,13 @@ def build_plan(
     split_replicas: bool = False,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     ns_cost: EngineCost = DEFAULT_COST,
+    adamw_chunks: str = "group",
 ) -> Plan:
     """Read every Muon parameter's layout and partitions and cut the batches (once).
 
     Local stacks are cut so that one batch fits ``workspace_bytes`` (see ``planning/workspace.py``).
+    ``adamw_chunks``: ``"group"`` (one AdamW chunk per group) or ``"parameter"`` (one per
+    parameter).
     """
     muon_params: list[tuple[int, Tensor]] = []
     positions: list[int] = []
@@ -213,7 +224,12 @@ def build_plan(
         return sum(ns_cost.matrix_flops(r, cols) for r in partitions or (rows,))
 
     batches = plan_batches(entries, rotate_owners, split_replicas, local_size, matrix_cost)
-    adamw = [AdamWChunk(g) for g, grp in enumerate(param_groups) if grp["algorithm"] == "adamw"]
+    adamw = [
+        AdamWChunk(g, i)
+        for g, grp in enumerate(param_groups)
+        if grp["algorithm"] == "adamw"
+        for i in ([None] if adamw_chunks == "group" else range(len(grp["params"])))
+    ]
     sinkhorn = [
         SinkhornChunk(g, i, sinkhorn_layout(f"group {g} param {i} (algorithm 'sinkhorn')", p))
         for g, grp in enumerate(param_groups)

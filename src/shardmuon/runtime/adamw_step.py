@@ -29,7 +29,7 @@ class AdamWProgress:
 
 def adamw_params(ctx: StepContext, chunk: AdamWChunk) -> list[Tensor]:
     """The parameters of an AdamW chunk that have grads (the ones it steps)."""
-    return [p for p in ctx.param_groups[chunk.group_index]["params"] if ctx.grad(p) is not None]
+    return [p for p in chunk.params_of(ctx.param_groups) if ctx.grad(p) is not None]
 
 
 def adamw_state_views(ctx: StepContext, chunk: AdamWChunk) -> list[Tensor]:
@@ -77,7 +77,6 @@ def adamw_peak_bytes(ctx: StepContext) -> int:
     """The largest fp32 temporaries of the AdamW chunks' ``_foreach`` runs."""
     peak = 0
     for chunk in ctx.plan.adamw:
-        group = ctx.param_groups[chunk.group_index]
-        sizes = [p.numel() for p in map(local_tensor, group["params"])]
+        sizes = [p.numel() for p in map(local_tensor, chunk.params_of(ctx.param_groups))]
         peak = max(peak, adamw_temp_bytes(sizes, ctx.workspace_bytes))
     return peak

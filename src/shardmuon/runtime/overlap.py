@@ -312,7 +312,7 @@ def chunks_of_params(plan, param_groups: Sequence[dict]) -> dict[int, set[ChunkK
         for segment in batch.segments:
             out.setdefault(id(plan.params[segment.param_index]), set()).add(("batch", i))
     for k, chunk in enumerate(plan.adamw):
-        for p in param_groups[chunk.group_index]["params"]:
+        for p in chunk.params_of(param_groups):
             out.setdefault(id(p), set()).add(("adamw", k))
     for k, sinkhorn in enumerate(plan.sinkhorn):
         p = param_groups[sinkhorn.group_index]["params"][sinkhorn.param_index]

@@ -30,6 +30,7 @@ __all__ = [
     "adopt_loaded_counts",
     "adopt_loaded_groups",
     "advance_step_counters",
+    "check_state_devices",
     "host_state_entries",
     "init_state",
     "load_groups_to_host",
@@ -46,12 +47,18 @@ FP32_STATE = {"sinkhorn": ("momentum",)}
 
 
 def init_state(
-    param_groups: list[dict], state: dict, offloaded: bool, counted: dict[int, int]
+    param_groups: list[dict],
+    state: dict,
+    offloaded: bool,
+    counted: dict[int, int],
+    keep_placed: bool = False,
 ) -> None:
     """Create or re-place every parameter's state (see the module docstring).
 
     ``counted[g]``: the count group ``g``'s counters were last given; a group without one
-    has its counters (re)written from its ``step`` and recorded.
+    has its counters (re)written from its ``step`` and recorded. ``keep_placed`` (without
+    offload): state that exists stays on its device (a trainer streaming each chunk's state
+    to the device and back); missing state is made beside its parameter.
     """
     for index, group in enumerate(param_groups):
         last = counted.get(index)
@@ -67,7 +74,9 @@ def init_state(
                     value = value.to(dtype)
                 if isinstance(p, DTensor) and not isinstance(value, DTensor):
                     value = _distribute_like(value, p)
-                entry[key] = placed(value, p, offloaded)
+                if offloaded or not keep_placed:
+                    value = placed(value, p, offloaded)
+                entry[key] = value
             counter = entry.get("step")
             if last is None or not _is_step_counter(counter):
                 entry["step"] = _step_counter(group["step"], counter)
@@ -197,13 +206,34 @@ def _dtensor_like(local: Tensor, param: DTensor) -> DTensor:
 
 
 def _is_step_counter(value: object) -> bool:
+    """A 0-d float32 tensor, on any device (a trainer may move it with the rest of a
+    chunk's state; it is kept and advanced where it is)."""
     return (
         isinstance(value, Tensor)
         and not isinstance(value, DTensor)
         and value.dtype == torch.float32
-        and value.device.type == "cpu"
         and value.dim() == 0
     )
+
+
+def check_state_devices(params: Iterable[Tensor], state: dict) -> None:
+    """``Muon.step_chunk`` without offload: the state of a chunk's ``params`` must be on each
+    parameter's device; raises ``ValueError`` naming the first that is not, before anything
+    changes. The counters may be anywhere."""
+    for param in params:
+        device = local_tensor(param).device
+        for key, value in state[param].items():
+            if key == "step" or not isinstance(value, Tensor):
+                continue
+            where = local_tensor(value).device
+            if where != device:
+                raise ValueError(
+                    f"step_chunk: the {key!r} state of a parameter of shape "
+                    f"{tuple(param.shape)} is on {where}, the parameter on {device}; move the "
+                    "chunk's state (optimizer.state[p] for p in chunk_info(chunk).params) to "
+                    "its parameter's device before step_chunk and back after it, or use "
+                    "offload='state'"
+                )
 
 
 def _step_counter(step: int, current: object) -> Tensor:
