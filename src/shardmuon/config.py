@@ -313,12 +313,15 @@ def build_optimizer(
     head_dim: int | None = None,
     expert_mesh_name: str | None = None,
     partition_fused: bool = True,
+    embedding_update: str = "adamw",
 ) -> Muon:
     """Route ``model.named_parameters()`` and build a ``shardmuon.Muon`` over the groups.
 
     Routing and fused-weight partitions are :func:`shardmuon.routing.build_param_groups`'s;
-    the head counts switch on fused-QKV partitions. The model may already be wrapped
-    (FSDP2 ``fully_shard``, ``torch.compile``, DDP): names keep their meaning.
+    the head counts switch on fused-QKV partitions; ``embedding_update="sinkhorn"`` puts the
+    embedding tables and output heads in a Sinkhorn group at ``config.lr``. The model may
+    already be wrapped (FSDP2 ``fully_shard``, ``torch.compile``, DDP): names keep their
+    meaning.
     """
     if not isinstance(config, MuonConfig):
         raise TypeError(f"config must be a MuonConfig, got {type(config).__name__}")
@@ -334,6 +337,7 @@ def build_optimizer(
         num_key_value_heads=num_key_value_heads,
         head_dim=head_dim,
         partition_fused=partition_fused,
+        embedding_update=embedding_update,
     )
     return Muon(
         params=routed.groups,

@@ -366,13 +366,24 @@ class Muon(Optimizer):
         (a changed planned setting gives new chunk objects at the next round: an open
         ``step_chunk`` round keeps the plan it began with)."""
         if not self._rounds.is_open:
-            self._ensure_plan()
+            self._ensure_plan_or_defer()
         return [*self._plan.sinkhorn, *self._plan.batches, *self._plan.adamw]
+
+    def _ensure_plan_or_defer(self) -> None:
+        """:meth:`_ensure_plan` for ``chunks()``/``chunk_info()``, which a rank may call alone:
+        a setting this rank refuses (edited here only) raises at the next ``step_chunk``,
+        whose live check compares the ranks first so that every rank raises, not this one
+        alone. Without a plan yet, it raises here."""
+        try:
+            self._ensure_plan()
+        except (ValueError, TypeError):
+            if self._plan is None or not self._agreed_groups:
+                raise
 
     def chunk_info(self, chunk: Chunk) -> ChunkInfo:
         """What ``chunk`` (one of :meth:`chunks`) holds: parameters, matrices, state bytes."""
         if not self._rounds.is_open:
-            self._ensure_plan()
+            self._ensure_plan_or_defer()
         return chunk_info(self._plan, self.param_groups, self.state, chunk)
 
     def warmup(self) -> None:

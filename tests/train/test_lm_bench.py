@@ -206,6 +206,7 @@ def test_every_run_of_both_optimizers_diverging_is_said_and_written(data, tmp_pa
         (["--adamw-lrs", "0.01,x"], "must be comma-separated numbers > 0"),
         (["--muon-lrs", "0"], "must be comma-separated numbers > 0"),
         (["--engines", "fast"], "unknown engine setting 'fast'; accepted: comma-separated"),
+        (["--embedding-updates", "adamw,sgd"], "unknown embedding update 'sgd'; accepted:"),
     ],
 )
 def test_bad_grids_are_refused_in_one_line(argv, message, capsys):
@@ -216,3 +217,35 @@ def test_bad_grids_are_refused_in_one_line(argv, message, capsys):
     last = err.strip().splitlines()[-1]  # after the usage: one line naming the flag
     assert last.startswith("shardmuon bench lm: error: ") and argv[0] in last and message in last
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_embedding_updates_compare_sinkhorn_at_muons_best_pair(data, tmp_path, capsys):
+    out = tmp_path / "lm.json"
+    grids = ["--adamw-lrs", "0.004", "--muon-lrs", "0.02", "--muon-adamw-lrs", "0.004",
+             "--embedding-updates", "adamw,sinkhorn", "--engines", "none"]  # fmt: skip
+    assert main(_tiny_argv(data, out, *grids)) == 0
+    payload = _strict_json(out.read_text())
+    runs = {run["setting"]: run for run in payload["runs"]}
+    assert list(runs) == ["adamw", "muon", "sinkhorn-embeddings"]
+    assert [runs[s]["embedding_update"] for s in runs] == ["adamw", "adamw", "sinkhorn"]
+    sinkhorn = runs["sinkhorn-embeddings"]
+    assert (sinkhorn["lr"], sinkhorn["adamw_lr"]) == (0.02, 0.004)  # Muon's best pair
+    assert not sinkhorn["diverged"] and len(sinkhorn["eval"]) == 3
+    assert all(math.isfinite(v) for v in sinkhorn["losses"] + [e["loss"] for e in sinkhorn["eval"]])
+    settings = [s["setting"] for s in payload["summary"]["settings"]]
+    assert settings == ["adamw", "muon", "sinkhorn-embeddings"]
+    assert "sinkhorn-embeddings" in capsys.readouterr().out
+
+
+def test_the_first_embedding_update_is_every_muon_runs():
+    from shardmuon.bench.lm import _base_config, sweep_configs
+    from shardmuon.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "lm", "--nproc", "1", "--embedding-updates",
+                                      "sinkhorn,adamw"])  # fmt: skip
+    base = _base_config(args)
+    assert base.embedding_update == "sinkhorn"
+    (muon,) = sweep_configs(base, "muon", "muon", 0.01, 1)
+    (adamw,) = sweep_configs(base, "adamw", "adamw", 0.002, 1)
+    assert (muon.embedding_update, adamw.embedding_update) == ("sinkhorn", "adamw")

@@ -117,3 +117,17 @@ def test_the_command_line_runs_the_lm_task(runs, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert [e["step"] for e in data["eval"]] == [0, 1, 2]
     assert data["config"]["optimizer"] == "adamw" and data["config"]["schedule"] == "cosine"
+
+
+@pytest.mark.slow
+def test_two_ranks_train_with_sinkhorn_embeddings(runs, tmp_path):
+    out = tmp_path / "sinkhorn.json"
+    argv = ["--task", "lm", "--layers", "1", "--steps", "3", "--batch-size", "4", "--seq-len",
+            "16", "--eval-every", "3", "--eval-sequences", "2", "--data", str(runs["tmp"] / "data"),
+            "--nproc", "2", "--embedding-update", "sinkhorn", "--json", str(out),
+            "--no-progress"]  # fmt: skip
+    assert train_main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["embedding_update"] == "sinkhorn"
+    losses = [row["loss"] for row in data["losses"]] + [e["loss"] for e in data["eval"]]
+    assert len(data["losses"]) == 3 and all(math.isfinite(v) for v in losses)

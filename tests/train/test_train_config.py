@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -161,3 +162,62 @@ def test_optimizer_flags_take_what_the_muon_config_takes(dest):
             assert str(err).startswith("must be ") and ", got " in str(err), err
             got = False
         assert got == want, (dest, text)
+
+
+def test_the_embedding_update_flag_puts_the_embedding_and_head_in_a_sinkhorn_group():
+    import torch
+
+    from shardmuon.train.lm_data import VOCAB_SIZE
+    from shardmuon.train.loop import build_optimizer, build_training_model
+
+    assert TrainConfig().embedding_update == "adamw"
+    args = _parse("--task", "lm", "--layers", "1", "--embedding-update", "sinkhorn", "--nproc", "1")
+    config = _config_from_args(args)
+    assert config.embedding_update == "sinkhorn"
+    assert config_dict(config)["embedding_update"] == "sinkhorn"
+    torch.manual_seed(0)
+    model = build_training_model(config, VOCAB_SIZE)
+    optimizer = build_optimizer(config, model, None)
+    names = {id(p): n for n, p in model.named_parameters()}
+    algorithm = {names[id(p)]: g["algorithm"] for g in optimizer.param_groups for p in g["params"]}
+    assert algorithm["model.embed_tokens.weight"] == algorithm["lm_head.weight"] == "sinkhorn"
+    assert algorithm["model.norm.weight"] == "adamw"
+    assert algorithm["model.layers.0.self_attn.q_proj.weight"] == "muon"
+    (sinkhorn,) = [g for g in optimizer.param_groups if g["algorithm"] == "sinkhorn"]
+    assert sinkhorn["lr"] == config.optim.lr  # Muon's lr, not adamw_lr
+    # The default keeps prime-rl's routing: both in the AdamW group.
+    plain = task_config("lm", num_layers=1, nproc=1)
+    groups = build_optimizer(plain, build_training_model(plain, VOCAB_SIZE), None).param_groups
+    assert [g["algorithm"] for g in groups] == ["muon", "adamw"]
+    # A few steps with finite losses.
+    ids = torch.randint(0, VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(0))
+    before = model.lm_head.weight.detach().clone()
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    assert not torch.equal(model.lm_head.weight, before)
+
+
+def test_a_bad_embedding_update_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^embedding_update 'sgd' unknown; accepted: "):
+        task_config("lm", embedding_update="sgd", nproc=1).validate()
+    adamw = task_config("lm", "adamw", embedding_update="sinkhorn", nproc=1)
+    with pytest.raises(ValueError, match=r"^embedding_update 'sinkhorn' is how Muon updates"):
+        adamw.validate()
+    with pytest.raises(SystemExit):
+        _parse("--embedding-update", "sgd")
+
+
+def test_a_resume_takes_the_checkpoints_embedding_update(tmp_path):
+    saved = task_config("lm", embedding_update="sinkhorn")
+    ckpt = _checkpoint(tmp_path, config_dict(saved))
+    config = dataclasses.replace(task_config("lm"), resume=str(ckpt))
+    assert recorded_settings(config, ckpt)["embedding_update"] == "sinkhorn"
+    assert settings_conflicts(config, recorded_settings(config, ckpt)) == [
+        "--embedding-update 'adamw' (checkpoint: 'sinkhorn')"
+    ]

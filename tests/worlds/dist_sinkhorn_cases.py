@@ -294,3 +294,25 @@ def fsdp2_model_with_routed_sinkhorn_groups_matches_one_process(ctx: Context) ->
         err = (got - a.detach()).abs().max().item()
         assert err <= 1e-4 * max(1.0, a.abs().max().item()), f"{name}: {err}"
     assert math.isfinite(err)
+
+
+@case("an_edit_on_one_rank_of_a_2x2_grid_raises_on_every_rank", (4,))
+def an_edit_on_one_rank_of_a_2x2_grid_raises_on_every_rank(ctx: Context) -> None:
+    # Ranks 0 and 3 share no group of a (Shard(0), Shard(1)) table: the verdict must be
+    # passed on, or rank 0 waits in its sums. Also a value only one rank refuses (11.0).
+    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for key, value in (("lr", 0.5), ("sinkhorn_iters", 11.0)):
+        gen = torch.Generator().manual_seed(9)
+        table = nn.Parameter(distribute_tensor(torch.randn(8, 6, generator=gen), grid, [S0, S1]))
+        opt = Muon([dict(params=[table], algorithm="sinkhorn")])
+        table.grad = distribute_tensor(torch.randn(8, 6, generator=gen), grid, [S0, S1])
+        opt.step()
+        if ctx.rank == 3:
+            opt.param_groups[0][key] = value
+        try:
+            for chunk in opt.chunks():
+                opt.step_chunk(chunk)
+        except ValueError as err:
+            assert "disagree" in str(err), (key, err)
+        else:
+            raise AssertionError(f"{key} edited on rank 3 stepped")

@@ -3,7 +3,9 @@ default, on byte-level language-model pretraining (``shardmuon train --task lm``
 
 Four sweeps, each on one set of ranks: AdamW over ``--adamw-lrs``; Muon over ``--muon-lrs``,
 its AdamW group (embeddings, norms, head) at the first of ``--muon-adamw-lrs``; at Muon's
-best lr, its AdamW group at the others; then, at Muon's best pair, each of ``--engines``.
+best lr, its AdamW group at the others; then, at Muon's best pair, each other update of the
+embedding and the head in ``--embedding-updates`` (setting ``<name>-embeddings``; the first
+is every Muon run's, ``TrainConfig.embedding_update``) and each of ``--engines``.
 Every run has ``--seeds`` seeds (model init and data order) and records the max attention
 logit per step (recording changes no loss). "Best" is the lowest final held-out loss, the
 mean over the seeds. A run whose loss stops being finite, or that fails with non-finite
@@ -41,7 +43,7 @@ from shardmuon.harness.cli_support import (
 from shardmuon.harness.models import MODEL_PRESETS
 from shardmuon.harness.processes import NPROC_RULE
 
-__all__ = ["ENGINE_SETTINGS", "add_parser", "run", "sweep_configs"]
+__all__ = ["ENGINE_SETTINGS", "add_parser", "embedding_setting", "run", "sweep_configs"]
 
 # The settings compared at Muon's best lr: MuonConfig fields changed from the default
 # (folded engine, bf16, dion coefficients). "qk-clip" takes --qk-clip-threshold.
@@ -81,6 +83,25 @@ def _lrs(text: str) -> tuple[float, ...]:
     return tuple(dict.fromkeys(values))
 
 
+def _embedding_updates(text: str) -> tuple[str, ...]:
+    """``--embedding-updates``: comma-separated names of ``EMBEDDING_UPDATES``."""
+    from shardmuon.train.config import EMBEDDING_UPDATES
+
+    names = tuple(dict.fromkeys(n for n in text.split(",") if n))
+    unknown = [n for n in names if n not in EMBEDDING_UPDATES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown embedding update {unknown[0] if unknown else text!r}; accepted: "
+            f"comma-separated names of {', '.join(EMBEDDING_UPDATES)}"
+        )
+    return names
+
+
+def embedding_setting(name: str) -> str:
+    """The setting of the runs at Muon's best pair with embedding update ``name``."""
+    return f"{name}-embeddings"
+
+
 def _engines(text: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(n for n in text.split(",") if n)) if text != "none" else ()
     unknown = [n for n in names if n not in ENGINE_SETTINGS]
@@ -99,15 +120,17 @@ Muon against AdamW, and every Newton-Schulz engine against Muon's default, on
 byte-level language-model pretraining (the runs of shardmuon train --task lm).
 
 Sweeps AdamW's lrs (--adamw-lrs), then Muon's (--muon-lrs), then the lr of Muon's
-AdamW group (--muon-adamw-lrs) at Muon's best lr, then each of --engines at Muon's
-best pair, --seeds seeds each. A run that diverges is recorded as such and the sweep
-goes on.
+AdamW group (--muon-adamw-lrs) at Muon's best lr, then, at Muon's best pair, the
+other updates of the embedding and the head (--embedding-updates) and each of
+--engines, --seeds seeds each. A run that diverges is recorded as such and the
+sweep goes on.
 
 Prints the final held-out loss of every run, and per setting the steps it needs to
 reach AdamW's best loss and its median step time. --plot writes three PNGs.
 
-Example:
+Examples:
   shardmuon bench lm --steps 150 --seeds 2 --json lm.json --plot lm.png
+  shardmuon bench lm --embedding-updates adamw,sinkhorn --engines none
 """
 
 
@@ -138,6 +161,12 @@ def add_parser(subparsers) -> None:
         "--muon-adamw-lrs", type=_lrs, default=DEFAULT_MUON_ADAMW_LRS, metavar="LR,...",
         help="lr grid of Muon's AdamW group: the first with every --muon-lrs, the others at "
         "Muon's best lr",
+    )  # fmt: skip
+    p.add_argument(
+        "--embedding-updates", type=_embedding_updates, default="adamw", metavar="NAME,...",
+        help="Muon's update of the embedding and the head (adamw: its AdamW group; sinkhorn: "
+        "a Sinkhorn group at Muon's lr): the first in every Muon run, the others at Muon's "
+        "best pair (setting NAME-embeddings)",
     )  # fmt: skip
     p.add_argument(
         "--engines", type=_engines, default=",".join(ENGINE_SETTINGS), metavar="NAME,...",
@@ -189,6 +218,7 @@ def _base_config(args: argparse.Namespace):
         nproc=args.nproc,
         log_max_logit=True,
         quiet=args.no_progress,
+        embedding_update=args.embedding_updates[0],
     )
 
 
@@ -201,6 +231,7 @@ def sweep_configs(base, setting: str, optimizer: str, lr: float, seeds: int, **c
     optim = optim_settings(base.optim, lr=lr, **changes.pop("optim", {}))
     if optimizer == "adamw":
         changes["adamw_lr"] = None  # one lr for every group
+        changes["embedding_update"] = "adamw"  # AdamW updates every parameter
     configs = []
     for seed in range(seeds):
         extra = {
@@ -299,6 +330,7 @@ def _run_all(configs, sweep: _Sweep | None = None) -> list[dict[str, Any]]:
                 "optimizer": config.optimizer,
                 "lr": config.optim.lr,
                 "adamw_lr": config.adamw_lr,
+                "embedding_update": config.embedding_update,
                 "seed": config.seed,
                 "steps": config.steps,
                 "diverged": bool(stop),
@@ -323,7 +355,7 @@ def _run_all(configs, sweep: _Sweep | None = None) -> list[dict[str, Any]]:
 
 def _run_at_muons_best(base, args, rows, others, sweep: _Sweep) -> list[dict[str, Any]]:
     """The runs at Muon's best lr: its AdamW group at ``others``, then, at the best pair,
-    each of ``--engines``."""
+    each other of ``--embedding-updates`` and each of ``--engines``."""
     _, muon_lr, _ = best_key(rows, "muon")
     more = []
     if others:
@@ -337,6 +369,11 @@ def _run_at_muons_best(base, args, rows, others, sweep: _Sweep) -> list[dict[str
         )
     _, muon_lr, adamw_lr = best_key(rows + more, "muon")
     engine_configs = []
+    for name in args.embedding_updates[1:]:
+        engine_configs += sweep_configs(
+            base, embedding_setting(name), "muon", muon_lr, args.seeds, adamw_lr=adamw_lr,
+            embedding_update=name,
+        )  # fmt: skip
     for name in args.engines:
         optim = dict(ENGINE_SETTINGS[name])
         if name == "qk-clip":
@@ -355,12 +392,15 @@ def run(args: argparse.Namespace) -> int:
     base = _base_config(args)
     base.validate()  # the corpus, the process count, the model's positions: before any run
     first, *others = args.muon_adamw_lrs
-    runs = len(args.adamw_lrs) + len(args.muon_lrs) + len(others) + len(args.engines)
+    updates = args.embedding_updates
+    runs = len(args.adamw_lrs) + len(args.muon_lrs) + len(others) + len(updates) - 1
+    runs += len(args.engines)
     sweep = _Sweep(args, runs * args.seeds, base)
     note(
         f"shardmuon bench lm: {runs * args.seeds} runs of {args.steps} steps at "
         f"{args.nproc} rank(s): AdamW lrs {list(args.adamw_lrs)}, Muon lrs "
-        f"{list(args.muon_lrs)} (AdamW group {first}), Muon's AdamW group {others}, then "
+        f"{list(args.muon_lrs)} (AdamW group {first}; embeddings by {updates[0]}), Muon's "
+        f"AdamW group {others}, then embeddings by {list(updates[1:])} and "
         f"{len(args.engines)} engine settings; their time is estimated after the first "
         "run's first steps"
     )

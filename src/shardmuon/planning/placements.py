@@ -434,6 +434,8 @@ def sinkhorn_layout(name: str, param: Tensor) -> SinkhornLayout:
             f"parameter {name} has shape {tuple(param.shape)}; the Sinkhorn update needs a "
             "2-D matrix (an embedding table or an output head)"
         )
+    if isinstance(param, DTensor):
+        _refuse_foreign_mesh(name, param)
     local = local_tensor(param)
     base = dict(
         rows=param.shape[0],
@@ -444,7 +446,6 @@ def sinkhorn_layout(name: str, param: Tensor) -> SinkhornLayout:
     if not isinstance(param, DTensor):
         return SinkhornLayout(**base)
     mesh = param.device_mesh
-    _refuse_foreign_mesh(name, param)
     split: tuple[list[int], list[int]] = ([], [])
     replicated = []
     for mesh_dim, placement in enumerate(param.placements):

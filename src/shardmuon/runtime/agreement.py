@@ -367,6 +367,16 @@ def _plain(value: object) -> object:
     return value
 
 
+# Keys whose type decides whether a rank accepts them (``sinkhorn_iters=11.0`` is refused
+# where ``11`` is taken): compared with their type, so a rank that will refuse one differs.
+TYPED_KEYS = ("sinkhorn_iters",)
+
+
+def _live_value(key: str, value: object) -> object:
+    plain = _plain(value)
+    return (type(value).__name__, plain) if key in TYPED_KEYS else plain
+
+
 def live_settings(
     settings: Mapping[str, object], param_groups: Sequence[dict], plan_rebuilt: object
 ) -> tuple[list[Entry], list[tuple]]:
@@ -378,7 +388,7 @@ def live_settings(
     each param group's :data:`LIVE_GROUP_KEYS` as named fields (read once: a tensor lr is
     read once per group)."""
     values = [
-        tuple((key, _plain(group.get(key, "(not set)"))) for key in LIVE_GROUP_KEYS)
+        tuple((key, _live_value(key, group.get(key, "(not set)"))) for key in LIVE_GROUP_KEYS)
         for group in param_groups
     ]
     common: list[Entry] = [
@@ -413,7 +423,7 @@ def live_description(
     return [*described, common[-1]]
 
 
-def spread_rounds(params: Iterable[Tensor]) -> int:
+def spread_rounds(params: Iterable[Tensor], summed: Iterable[Tensor] = ()) -> int:
     """How many times a failure found in one group must be passed on over every group so
     that every rank of the job hears of it (HSDP's 2x2: rank 3 shares no group with rank 0,
     yet would wait in its all-to-all for a peer that raised). Two ranks are at most as many
@@ -422,6 +432,16 @@ def spread_rounds(params: Iterable[Tensor]) -> int:
     upper bound) and one per mesh dim it is replicated over. Read from the placements of
     ``params`` (the Muon parameters): the same on every rank that planned alike."""
     kinds = set()
+    for p in summed:  # Sinkhorn parameters: a group per mesh dim that splits them
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            where = (tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+            for d in range(mesh.ndim):
+                if mesh.size(d) > 1:
+                    replicated = isinstance(p.placements[d], Replicate)
+                    kinds.add(
+                        (where, "replicated", d) if replicated else (where, "split", frozenset({d}))
+                    )
     for p in params:
         if not isinstance(p, DTensor):
             continue
@@ -605,7 +625,7 @@ def check_plan_agreement(
     """:func:`check_agreement` over every group a plan (``planning.plan.Plan``) uses, in
     the order of :func:`agreement_groups`; returns each group's agreed spread count."""
     sinkhorn_params = [param_groups[c.group_index]["params"][c.param_index] for c in plan.sinkhorn]
-    rounds = spread_rounds([*plan.params, *sinkhorn_params])
+    rounds = spread_rounds(plan.params, sinkhorn_params)
     return check_agreement(
         agreement_groups(plan.batches, plan.sinkhorn), plan.batches, plan.params,
         plan.group_of, param_groups, settings, device, ops, compare_grads=compare_grads,

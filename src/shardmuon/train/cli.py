@@ -56,10 +56,10 @@ tensor parallel: --layout fsdp-tp --mesh DPxTP) and DCP checkpoints
 
 On --resume / --resume-dion the optimizer settings (--optimizer, --coefficients,
 --ns-impl, --ns-dtype, --ns-preconditioner, --update-rms, --lr, --adamw-lr,
---weight-decay, --mu, --nesterov, --warmup, --schedule) are the checkpoint's:
-leave them out and they are taken from it; give one with another value and the
-run is refused, since the checkpoint's param groups would override it. --json
-records the settings that ran.
+--embedding-update, --weight-decay, --mu, --nesterov, --warmup, --schedule) are
+the checkpoint's: leave them out and they are taken from it; give one with
+another value and the run is refused, since the checkpoint's param groups would
+override it. --json records the settings that ran.
 
 'shardmuon train plot RUN.json ... --plot curve.png' overlays loss curves.
 """
@@ -155,7 +155,8 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         given.add("optim.newton_schulz_coefficients")
     # TrainConfig fields set by the flag of the same name, when given (the rest keep the
     # task's defaults).
-    same_name = ("model", "num_layers", "steps", "batch_size", "adamw_lr", "schedule", *TASK_ONLY)
+    same_name = ("model", "num_layers", "steps", "batch_size", "adamw_lr", "embedding_update",
+                 "schedule", *TASK_ONLY)  # fmt: skip
     fields = {dest: getattr(args, dest) for dest in same_name if getattr(args, dest) is not None}
     if args.warmup is not None:
         fields["warmup_steps"] = args.warmup

@@ -25,6 +25,7 @@ from shardmuon.harness.processes import NPROC_RULE
 from shardmuon.ops.engines import NS_CHOICES
 from shardmuon.ops.newton_schulz import NS_PRESETS
 from shardmuon.train.config import (
+    EMBEDDING_UPDATES,
     LM_DEFAULTS,
     LM_LEARNING_RATES,
     OPTIMIZERS,
@@ -77,6 +78,7 @@ OPTIM_FLAGS = {
 FIXED_FIELDS = {
     "optimizer": "optimizer",
     "adamw_lr": "adamw_lr",
+    "embedding_update": "embedding_update",
     "warmup": "warmup_steps",
     "schedule": "schedule",
 }
@@ -197,6 +199,13 @@ def add_optimizer_flags(train) -> None:
         help=_fixed_help(
             "peak lr of Muon's AdamW group (embeddings, norms, head)",
             f"--lr; --task lm: {lm_adamw_lr}"),
+    )  # fmt: skip
+    train.add_argument(
+        "--embedding-update", choices=EMBEDDING_UPDATES, default=None,
+        help=_fixed_help(
+            "Muon's update of the embedding table and the output head: 'adamw' (its AdamW "
+            "group, at --adamw-lr) or 'sinkhorn' (a Sinkhorn group at --lr, no weight decay; "
+            "the norms stay AdamW); --optimizer muon only", TrainConfig.embedding_update),
     )  # fmt: skip
     train.add_argument(
         "--warmup", metavar="N", type=nonnegative_int, default=None,

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 import torch
@@ -23,10 +23,12 @@ import torch
 from shardmuon.config import MuonConfig, NumberRange, config_error
 from shardmuon.harness.cli_support import check_outputs
 from shardmuon.harness.processes import check_process_count
+from shardmuon.routing import EMBEDDING_UPDATES as ROUTING_EMBEDDING_UPDATES
 from shardmuon.train.schedule import SCHEDULES
 from shardmuon.train.tasks import TASKS
 
 __all__ = [
+    "EMBEDDING_UPDATES",
     "EXPERT_MESH_NAME",
     "OPTIMIZERS",
     "TRAIN_LAYOUTS",
@@ -42,6 +44,12 @@ __all__ = [
 
 
 OPTIMIZERS = ("muon", "adamw")
+
+
+# How Muon updates the embedding table and the output head (``embed_tokens``, ``lm_head``):
+# "adamw" (its AdamW group, prime-rl's routing) or "sinkhorn" (a Sinkhorn group); see
+# shardmuon.routing.build_param_groups(embedding_update=...).
+EMBEDDING_UPDATES: tuple[str, ...] = ROUTING_EMBEDDING_UPDATES
 
 
 TRAIN_LAYOUTS = ("fsdp", "ep", "fsdp-tp")
@@ -137,6 +145,10 @@ class TrainConfig:
     optim: MuonConfig = field(default_factory=_train_optim)
     # The peak lr of Muon's AdamW group (embeddings, norms, head); None: optim.lr.
     adamw_lr: float | None = None
+    # Muon's update of the embedding table and the output head: "adamw" (its AdamW group,
+    # at adamw_lr) or "sinkhorn" (a Sinkhorn group at optim.lr, Muon's own lr, no weight
+    # decay; the norms stay in the AdamW group). optimizer "adamw" takes "adamw" only.
+    embedding_update: Literal["adamw", "sinkhorn"] = "adamw"
     warmup_steps: int = 0
     schedule: str = "constant"
     steps: int = 150
@@ -204,6 +216,16 @@ class TrainConfig:
             raise ValueError(
                 f"adamw_lr {self.adamw_lr!r} is the lr of Muon's AdamW group; optimizer "
                 "'adamw' has one lr: give lr"
+            )
+        if self.embedding_update not in EMBEDDING_UPDATES:
+            raise ValueError(
+                f"embedding_update {self.embedding_update!r} unknown; accepted: {EMBEDDING_UPDATES}"
+            )
+        if self.embedding_update != "adamw" and self.optimizer == "adamw":
+            raise ValueError(
+                f"embedding_update {self.embedding_update!r} is how Muon updates the "
+                "embedding and the head; optimizer 'adamw' updates every parameter with "
+                "AdamW: give optimizer 'muon' or leave embedding_update 'adamw'"
             )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule {self.schedule!r} unknown; accepted: {SCHEDULES}")

@@ -105,7 +105,9 @@ def shard_model(model: nn.Module, layout: str, mesh: tuple[int, ...] | None = No
 def build_optimizer(
     config: TrainConfig, model: nn.Module, expert_mesh_name: str | None
 ) -> torch.optim.Optimizer:
-    """Muon through ``shardmuon.config.build_optimizer`` (the routing users get), or torch AdamW."""
+    """Muon through ``shardmuon.config.build_optimizer`` (the routing users get; the
+    embedding and the head in a Sinkhorn group under ``embedding_update="sinkhorn"``), or
+    torch AdamW."""
     optim = config.optim
     if config.optimizer == "adamw":
         return torch.optim.AdamW(
@@ -119,7 +121,11 @@ def build_optimizer(
     from shardmuon.harness.models import attention_dims
 
     return build_muon(
-        model, optim, expert_mesh_name=expert_mesh_name, **attention_dims(config.model)
+        model,
+        optim,
+        expert_mesh_name=expert_mesh_name,
+        embedding_update=config.embedding_update,
+        **attention_dims(config.model),
     )
 
 

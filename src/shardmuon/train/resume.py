@@ -50,6 +50,7 @@ RESUME_FIXED: dict[str, str] = {
     "optim.mu": "--mu",
     "optim.nesterov": "--nesterov",
     "adamw_lr": "--adamw-lr",
+    "embedding_update": "--embedding-update",
     "warmup_steps": "--warmup",
     "schedule": "--schedule",
 }

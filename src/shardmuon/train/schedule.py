@@ -3,7 +3,8 @@
 The lr of a step is a pure function of the step, so a resumed run sets exactly the lr the
 uninterrupted run set (whatever lr the checkpoint's param groups hold is overwritten before
 the next step). Each param group's peak is the config's: ``optim.lr``, or ``adamw_lr`` for
-Muon's AdamW group (embeddings, norms, the output head) when it is given.
+Muon's AdamW group (embeddings, norms, the output head) when it is given. A Sinkhorn group
+(``embedding_update="sinkhorn"``: the embedding and the head) has Muon's peak, ``optim.lr``.
 """
 
 from __future__ import annotations
