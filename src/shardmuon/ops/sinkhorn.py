@@ -64,30 +64,13 @@ def sinkhorn_momentum_(momentum: Tensor, grad: Tensor, beta: float) -> None:
     momentum.lerp_(grad.to(torch.float32), 1.0 - beta)
 
 
-def sinkhorn_update_(
-    param: Tensor,
-    grad: Tensor,
-    momentum: Tensor,
-    *,
-    lr: float,
-    beta: float,
-    iters: int,
-    tau: float,
-    eps: float,
-    lr_scale: float,
-    shape: tuple[int, int] | None = None,
-    sum_across_cols: Reduce = _nothing,
-    sum_across_rows: Reduce = _nothing,
-) -> None:
-    """One Sinkhorn step on a local ``[rows, cols]`` shard: :func:`sinkhorn_momentum_`, then
-    :func:`sinkhorn_apply_` (see there); ``param`` and ``momentum`` change in place."""
-    check_iters(iters)
-    sinkhorn_momentum_(momentum, grad, beta)
-    sinkhorn_apply_(
-        param, grad, momentum, lr=lr, beta=beta, iters=iters, tau=tau, eps=eps,
-        lr_scale=lr_scale, shape=shape, sum_across_cols=sum_across_cols,
-        sum_across_rows=sum_across_rows,
-    )  # fmt: skip
+def sinkhorn_update_(param: Tensor, grad: Tensor, momentum: Tensor, **settings) -> None:
+    """One Sinkhorn step on a local ``[rows, cols]`` shard: :func:`sinkhorn_momentum_` with
+    ``settings["beta"]``, then :func:`sinkhorn_apply_` with ``settings`` (its keywords);
+    ``param`` and ``momentum`` change in place."""
+    check_iters(settings.get("iters"))
+    sinkhorn_momentum_(momentum, grad, settings["beta"])
+    sinkhorn_apply_(param, grad, momentum, **settings)
 
 
 def check_iters(iters: object) -> None:
