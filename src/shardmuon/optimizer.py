@@ -159,6 +159,7 @@ class Muon(Optimizer):
     zero (weight decay still applies), it is counted in ``last_step_stats.nonfinite_matrices``
     and every other matrix gets exactly its update; its momentum keeps the non-finite
     values (zero it or restore a checkpoint). Huge finite grads (1e18) do not overflow.
+    A Sinkhorn table likewise: left unchanged on every rank that holds it, and counted.
     """
 
     def __init__(

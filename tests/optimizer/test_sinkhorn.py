@@ -55,6 +55,79 @@ def test_update_matches_the_fp64_reference(seed) -> None:
     assert _max_rel(got_m, want_m) <= 1e-6
 
 
+@pytest.mark.parametrize("scale", [1e-40, 1e-30, 1e-20, 1e-12, 1e12, 1e20, 1e30, 3e37])
+def test_any_finite_fp32_scale_matches_the_reference(scale) -> None:
+    # fp32 squares of the direction overflow above ~1e19 and vanish below ~1e-19; the
+    # update must not care (only eps, which the reference also sees at this scale).
+    gen = torch.Generator().manual_seed(int(math.log10(scale) + 100))
+    for rows, cols in [(37, 13), (5, 40), (1, 1)]:
+        weight = torch.randn(rows, cols, generator=gen)
+        grad = torch.randn(rows, cols, generator=gen) * scale
+        momentum = torch.randn(rows, cols, generator=gen) * scale
+        want_w, want_m = sinkhorn_reference(weight, grad, momentum, lr=0.1, beta=0.9, **KWARGS)
+        got_w, got_m = weight.clone(), momentum.clone()
+        skipped = sinkhorn_update_(got_w, grad, got_m, lr=0.1, beta=0.9, **KWARGS)
+        assert not skipped
+        assert _max_rel(got_w - weight, want_w - weight.double()) <= 1e-4, (rows, cols)
+        assert _max_rel(got_m, want_m) <= (1e-4 if scale < 1e-37 else 1e-6)  # denormals
+
+
+@pytest.mark.parametrize("eps", [1e-3, 1e-8])
+def test_an_eps_far_above_the_direction_matches_the_reference(eps) -> None:
+    # The first normalisations are then divisions by eps (the update far below 1 until the
+    # later ones lift it): the scales must keep their range.
+    kwargs = {**KWARGS, "eps": eps}
+    for scale in [1e-6, 1e-16, 1e-24]:
+        gen = torch.Generator().manual_seed(int(-math.log10(scale)))
+        weight = torch.randn(23, 9, generator=gen)
+        grad = torch.randn(23, 9, generator=gen) * scale
+        momentum = torch.zeros(23, 9)
+        want_w, _ = sinkhorn_reference(weight, grad, momentum, lr=0.1, beta=0.9, **kwargs)
+        got_w = weight.clone()
+        sinkhorn_update_(got_w, grad, momentum.clone(), lr=0.1, beta=0.9, **kwargs)
+        assert _max_rel(got_w - weight, want_w - weight.double()) <= 1e-4, scale
+
+
+def test_rows_and_columns_far_apart_in_scale_match_the_reference() -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 12, generator=gen)
+    grad = torch.randn(40, 12, generator=gen)
+    grad[7] *= 1e25  # one row far above the rest: the others fall under the tau cut
+    grad[:, 3] *= 1e-12  # one column far below: its normalisation lifts it
+    want_w, _ = sinkhorn_reference(weight, grad, torch.zeros(40, 12), lr=0.1, beta=0.9, **KWARGS)
+    got_w = weight.clone()
+    sinkhorn_update_(got_w, grad, torch.zeros(40, 12), lr=0.1, beta=0.9, **KWARGS)
+    assert _max_rel(got_w - weight, want_w - weight.double()) <= 1e-4
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_nonfinite_direction_leaves_the_table_and_is_counted(bad) -> None:
+    params, opt = _mixed()
+    base, ref = _mixed()
+    _grads(params, 0)
+    _grads(base, 0)
+    params[0].grad[4, 2] = bad
+    before = params[0].detach().clone()
+    opt.step()
+    ref.step()
+    assert torch.equal(params[0].detach(), before)
+    assert opt.last_step_stats.nonfinite_matrices == 1
+    assert ref.last_step_stats.nonfinite_matrices == 0
+    for mine, other in zip(params[1:], base[1:]):  # every other parameter: its update
+        assert torch.equal(mine.detach(), other.detach())
+    # As for Muon matrices, the momentum keeps the non-finite entry (restore or zero it):
+    # the table stays as it is, counted each step, until then.
+    _grads(params, 1)
+    opt.step()
+    assert torch.equal(params[0].detach(), before)
+    assert opt.last_step_stats.nonfinite_matrices == 1
+    opt.state[params[0]]["momentum"].zero_()
+    _grads(params, 2)
+    opt.step()
+    assert not torch.equal(params[0].detach(), before)
+    assert torch.isfinite(params[0]).all() and opt.last_step_stats.nonfinite_matrices == 0
+
+
 def test_zero_grad_and_zero_columns_stay_zero() -> None:
     weight = torch.randn(6, 5)
     grad = torch.randn(6, 5)

@@ -121,6 +121,75 @@ def every_layout_matches_the_fp64_reference(ctx: Context) -> None:
     assert not problems, "\n".join(problems)
 
 
+@case("extreme_scales_and_a_nonfinite_entry_on_every_layout", (2, 4))
+def extreme_scales_and_a_nonfinite_entry_on_every_layout(ctx: Context) -> None:
+    # Directions whose fp32 squares overflow or vanish: every rank scales its own block,
+    # and all must agree on the units (the sums); one NaN on one rank's shard: every rank
+    # of the table skips it and counts it.
+    problems = []
+    shape = (13, 6)
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(shape, generator=gen)
+    for scale in (1e30, 1e-30):
+        grads = [torch.randn(shape, generator=gen) * scale for _ in range(2)]
+        grads[1][:, 3:] = 0.0  # a whole column block zero (a rank's shard when split)
+        for label, place in _layouts(ctx, shape):
+            got, want = _steps(weight, grads, place)
+            for step, (g, w) in enumerate(zip(got, want)):
+                err = (g - w).abs().max().item()
+                if not err <= 1e-4 * w.abs().max().item():
+                    problems.append(f"{label} x{scale:g} step {step}: {err:.3g}")
+    for label, place in _layouts(ctx, shape):
+        param = nn.Parameter(place(weight))
+        opt = Muon([dict(params=[param], algorithm="sinkhorn", lr=LR, mu=MU)])
+        grad = torch.randn(shape, generator=torch.Generator().manual_seed(8))
+        grad[12, 5] = float("nan")  # the last rows: on the last rank of a row split
+        param.grad = place(grad)
+        before = local_tensor(param.detach()).clone()
+        opt.step()
+        if not torch.equal(local_tensor(param.detach()), before):
+            problems.append(f"{label}: a table with a NaN grad changed")
+        if opt.last_step_stats.nonfinite_matrices != 1:
+            problems.append(f"{label}: counted {opt.last_step_stats.nonfinite_matrices}")
+    assert not problems, "\n".join(problems)
+
+
+@case("a_chunk_failing_before_its_sums_is_retried", (2,))
+def a_chunk_failing_before_its_sums_is_retried(ctx: Context) -> None:
+    # A failure before the first all-reduce (here: in the scaling) leaves nothing half
+    # exchanged: the retry steps the chunk and the round goes on, bitwise the step.
+    import shardmuon.ops.sinkhorn as sinkhorn_module
+
+    base, opt = _mixed(ctx)
+    _grads(ctx, base, 0)
+    opt.step()
+    params, other = _mixed(ctx)
+    _grads(ctx, params, 0)
+    real = sinkhorn_module._block_exponent
+    calls = []
+
+    def fail_once(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected before the sums")
+        return real(x)
+
+    sinkhorn_module._block_exponent = fail_once
+    try:
+        chunks = other.chunks()
+        try:
+            other.step_chunk(chunks[0])
+        except RuntimeError as err:
+            assert "injected" in str(err), err
+        else:
+            raise AssertionError("the injected failure did not raise")
+        for chunk in chunks:
+            other.step_chunk(chunk)
+    finally:
+        sinkhorn_module._block_exponent = real
+    _assert_bitwise("retried", base, params, opt, other)
+
+
 def _mixed(ctx: Context, seed: int = 0, **kwargs) -> tuple[list[nn.Parameter], Muon]:
     """A Sinkhorn table (rows split), a Sinkhorn head (columns split), a Muon matrix and an
     AdamW vector, all sharded on the 1-D mesh."""

@@ -51,11 +51,16 @@ def sinkhorn_state_views(ctx: StepContext, chunk: SinkhornChunk) -> list[Tensor]
     return [local_tensor(ctx.state[param]["momentum"])]
 
 
-def _summed_over(ctx: StepContext, groups: Sequence[ShardGroup]):
+def _summed_over(ctx: StepContext, groups: Sequence[ShardGroup], progress: SinkhornProgress):
+    """An in-place sum over ``groups``; ``None`` if there are none (nothing to sum)."""
+    if not groups:
+        return None
     process_groups = [ctx.process_group(group) for group in groups]
 
     def reduce(tensor: Tensor) -> None:
         for process_group in process_groups:
+            # From the first all-reduce on, a retry would pair with the peers' next one.
+            progress.communicated = True
             dist.all_reduce(tensor, group=process_group)
 
     return reduce
@@ -82,8 +87,7 @@ def step_sinkhorn(
         sinkhorn_momentum_(momentum, local_tensor(grad), beta)
         progress.momentum_done = True
     layout = chunk.layout
-    progress.communicated = layout.communicates
-    sinkhorn_apply_(
+    skipped = sinkhorn_apply_(
         local_tensor(param),
         local_tensor(grad),
         momentum,
@@ -94,9 +98,11 @@ def step_sinkhorn(
         eps=setting_float(group["sinkhorn_eps"]),
         lr_scale=setting_float(group["sinkhorn_lr_scale"]),
         shape=(layout.rows, layout.cols),
-        sum_across_cols=_summed_over(ctx, layout.col_groups),
-        sum_across_rows=_summed_over(ctx, layout.row_groups),
+        sum_across_cols=_summed_over(ctx, layout.col_groups, progress),
+        sum_across_rows=_summed_over(ctx, layout.row_groups, progress),
     )
+    # Kept on the device, read with the Muon matrices' counts (one synchronisation).
+    ctx.stats.nonfinite_counts.append(skipped)
 
 
 def sinkhorn_peak_bytes(chunks: Sequence[SinkhornChunk]) -> int:

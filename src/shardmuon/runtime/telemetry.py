@@ -94,9 +94,9 @@ class StepStats:
 
     @property
     def nonfinite_matrices(self) -> int:
-        """Matrices this rank orthogonalized whose direction held inf or NaN (a gradient or
-        momentum gone non-finite): their update was skipped (a zero direction; decoupled
-        weight decay still applied). Reading it synchronises with the device once (the
+        """Matrices this rank orthogonalized, and Sinkhorn tables it holds a shard of, whose
+        direction held inf or NaN (a gradient or momentum gone non-finite): their update was
+        skipped (a zero direction; decoupled weight decay still applied to Muon matrices). Reading it synchronises with the device once (the
         counts summed there first, not read one by one)."""
         counts = [c for c in self.nonfinite_counts if isinstance(c, torch.Tensor)]
         rest = sum(int(c) for c in self.nonfinite_counts if not isinstance(c, torch.Tensor))
