@@ -18,6 +18,7 @@ from dataclasses import asdict, replace
 import torch
 
 from shardmuon.bench.common import add_model_arguments, add_output_arguments
+from shardmuon.bench.kernels import DEVICE_PATHS, KernelConfig, measure_preset
 from shardmuon.bench.launch import launch, torchrun_world_size
 from shardmuon.bench.optimizers import (
     DEFAULT_OFF,
@@ -272,8 +273,74 @@ def add_parser(subparsers) -> None:
         default=None,
         help="torch threads per process, at most max(8, 4 per core) (default: cores / processes)",
     )
+    kernels = p.add_argument_group(
+        "launch counts (--kernels)",
+        "count what one step launches instead of timing it: one process, shardmuon only, "
+        "after two warm steps; per phase, the ATen calls, the estimated device kernels and "
+        "the host syncs (docs/benchmarks.md, 'Launches per step')",
+    )
+    kernels.add_argument(
+        "--kernels", action="store_true", help="count launches instead of timing the step"
+    )
+    kernels.add_argument(
+        "--device-path",
+        choices=DEVICE_PATHS,
+        default="accelerator",
+        help="the path counted: 'accelerator' (the branches a CUDA tensor takes, counted on "
+        "the meta device: nothing computed, any machine) or 'cpu' (the real step on CPU "
+        "tensors)",
+    )
+    kernels.add_argument(
+        "--scale",
+        type=positive_int,
+        default=1,
+        help="divide the preset's widths (vocabulary too) by S and the workspace by S**2, so "
+        "the plan keeps the full model's batches",
+    )
     add_output_arguments(p, "bar chart")
     p.set_defaults(func=run)
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+    """``--kernels``: count one step's launches and print them by phase."""
+    check_outputs({"--json": args.json})
+    if args.plot:
+        raise ValueError("--plot draws step times; --kernels prints a table (use --json)")
+    options: dict[str, object] = {}
+    for key, value in (
+        ("newton_schulz_impl", args.ns_impl),
+        ("newton_schulz_preconditioner", args.ns_preconditioner),
+    ):
+        if value is not None:
+            options[key] = value
+    if args.coefficients is not None:
+        options["newton_schulz_coefficients"] = args.coefficients
+    if args.ns_dtype is not None:
+        options["newton_schulz_dtype"] = DTYPES[args.ns_dtype]
+    config = KernelConfig(
+        model=args.model,
+        layers=args.layers,
+        scale=args.scale,
+        device_path=args.device_path,
+        seed=args.seed,
+        options=tuple(sorted(options.items())),
+    )
+    report = measure_preset(config)
+    print(
+        f"launches of one step: {config.model}"
+        + (f", {config.layers} layers" if config.layers else "")
+        + (f", widths / {config.scale}" if config.scale > 1 else "")
+        + f", {config.device_path} path: {report.batches} Muon batches"
+    )
+    print(report.table())
+    if report.sync_sites:
+        print("host syncs: " + ", ".join(f"{site} x{n}" for site, n in report.sync_sites.items()))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"config": asdict(config), **report.as_dict()}, f, indent=2, default=str)
+    return 0
 
 
 def drop_duplicate_configs(
@@ -307,6 +374,10 @@ def run(args: argparse.Namespace) -> int:
     The numbers were checked by their argparse types; here, before any work, the outputs,
     the process count against the machine, the mesh and the implementations.
     """
+    if args.kernels:
+        return run_kernels(args)
+    if args.scale != 1:
+        raise ValueError(f"--scale {args.scale} applies to --kernels only")
     check_outputs({"--json": args.json, "--plot": args.plot})
     check_thread_count(args.threads)
     world = torchrun_world_size()

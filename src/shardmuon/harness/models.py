@@ -208,14 +208,37 @@ def _check_positive(label: str, value: int | None) -> None:
         raise ValueError(f"{label} must be >= 1, got {value}")
 
 
-def model_config(name: str, *, num_layers: int | None = None, vocab_size: int | None = None):
-    """The transformers config of preset ``name``, optionally cut to ``num_layers`` layers."""
+# Width keys a ``scale`` divides (layer, head and expert counts stay: the plan keeps the full
+# model's matrices per batch, only smaller).
+SCALED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "head_dim",
+)
+
+
+def model_config(
+    name: str,
+    *,
+    num_layers: int | None = None,
+    vocab_size: int | None = None,
+    scale: int = 1,
+):
+    """The transformers config of preset ``name``, optionally cut to ``num_layers`` layers
+    and with its widths (:data:`SCALED_KEYS`, the vocabulary included) divided by ``scale``."""
     preset = _check_preset(name)
     _check_positive("num_layers", num_layers)
     _check_positive("vocab_size", vocab_size)
+    _check_positive("scale", scale)
     import transformers
 
     kwargs = dict(preset.config)
+    for key in SCALED_KEYS:
+        if key in kwargs and scale > 1:
+            kwargs[key] = max(1, kwargs[key] // scale)
     if num_layers is not None:
         kwargs["num_hidden_layers"] = num_layers
         if "mlp_only_layers" in kwargs:
@@ -254,10 +277,11 @@ def build_model(
 
 
 def param_shapes(
-    name: str, num_layers: int | None = None, *, vocab_size: int | None = None
+    name: str, num_layers: int | None = None, *, vocab_size: int | None = None, scale: int = 1
 ) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of preset ``name``, built on the ``meta`` device (no memory)."""
-    config = model_config(name, num_layers=num_layers, vocab_size=vocab_size)
+    """Parameter name -> shape of preset ``name`` (widths divided by ``scale``), built on the
+    ``meta`` device (no memory)."""
+    config = model_config(name, num_layers=num_layers, vocab_size=vocab_size, scale=scale)
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

@@ -52,11 +52,16 @@ def adamw_update_(
     wd_t = torch.tensor(weight_decay)
     eps_t = torch.tensor(epsilon)
     bias1 = 1 - beta1_t**step
-    bias2_sqrt = (1 - beta2_t**step).sqrt()
-    decay = 1 - lr_t * wd_t
-    step_size = lr_t / bias1
-    one_minus_beta1 = 1 - beta1_t
-    one_minus_beta2 = 1 - beta2_t
+    # dion's scalars, computed as it does (float32 on the host), handed to the foreach ops
+    # as plain numbers of the same value: on an accelerator that is the fast multi-tensor
+    # path (a host tensor scalar sends every tensor down torch's per-tensor path), with the
+    # same bits (the kernel takes the scalar in float32 either way).
+    bias2_sqrt = float((1 - beta2_t**step).sqrt())
+    decay = float(1 - lr_t * wd_t)
+    step_size = float(lr_t / bias1)
+    one_minus_beta1 = float(1 - beta1_t)
+    one_minus_beta2 = float(1 - beta2_t)
+    epsilon = float(eps_t)
     for run in _runs([p.numel() for p in params], max_temp_bytes):
         X = [params[i] for i in run]
         M = [momenta[i] for i in run]
@@ -65,13 +70,13 @@ def adamw_update_(
         # out-of-memory leaves the run as it was and a retry updates it once (the
         # out-of-place ops give the in-place ones' bits).
         G = [grads[i].to(momenta[i].dtype) for i in run]
-        new_M = torch._foreach_lerp(M, G, [one_minus_beta1] * len(run))
+        new_M = torch._foreach_lerp(M, G, one_minus_beta1)
         squares = [sq.to(v.dtype) for sq, v in zip(torch._foreach_mul(G, G), V)]
-        new_V = torch._foreach_lerp(V, squares, [one_minus_beta2] * len(run))
+        new_V = torch._foreach_lerp(V, squares, one_minus_beta2)
         del squares, G
         denom = torch._foreach_sqrt(new_V)
         torch._foreach_div_(denom, bias2_sqrt)
-        torch._foreach_add_(denom, [eps_t] * len(run))
+        torch._foreach_add_(denom, epsilon)
         quotient = torch._foreach_div(new_M, denom)
         del denom
         torch._foreach_mul_(quotient, step_size)
