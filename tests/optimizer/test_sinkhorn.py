@@ -100,6 +100,26 @@ def test_rows_and_columns_far_apart_in_scale_match_the_reference() -> None:
     assert _max_rel(got_w - weight, want_w - weight.double()) <= 1e-4
 
 
+@pytest.mark.parametrize(
+    ("where", "factor", "tau"),
+    [("row", 1e-15, 0.0), ("column", 1e-15, 1e-3), ("column", 1e15, 1e-3)],
+)
+def test_rows_or_columns_1e15_apart_match_the_reference(where, factor, tau) -> None:
+    # The documented range within one table: the scale vectors' squares stay in fp32
+    # while rows (columns) are within ~1e17 of each other (tau=0 keeps a tiny row).
+    grad = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    if where == "row":
+        grad[3] *= factor
+    else:
+        grad[:, 3] *= factor
+    weight = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    kwargs = {**KWARGS, "tau": tau}
+    want_w, _ = sinkhorn_reference(weight, grad, torch.zeros(16, 8), lr=0.1, beta=0.9, **kwargs)
+    got_w = weight.clone()
+    sinkhorn_update_(got_w, grad, torch.zeros(16, 8), lr=0.1, beta=0.9, **kwargs)
+    assert _max_rel(got_w - weight, want_w - weight.double()) <= 1e-4
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_a_nonfinite_direction_leaves_the_table_and_is_counted(bad) -> None:
     params, opt = _mixed()

@@ -133,6 +133,8 @@ def extreme_scales_and_a_nonfinite_entry_on_every_layout(ctx: Context) -> None:
     for scale in (1e30, 1e-30):
         grads = [torch.randn(shape, generator=gen) * scale for _ in range(2)]
         grads[1][:, 3:] = 0.0  # a whole column block zero (a rank's shard when split)
+        grads.append(torch.randn(shape, generator=gen) * scale)
+        grads[2][:7, :3] *= 1e15  # one block of a 2x2 split far above the others
         for label, place in _layouts(ctx, shape):
             got, want = _steps(weight, grads, place)
             for step, (g, w) in enumerate(zip(got, want)):

@@ -84,10 +84,15 @@ def _suspects(norm: Tensor, eps: float) -> list[int]:
     zero norm is left to the plain path when ``eps`` dwarfs whatever may have underflowed
     (then both paths divide by ``eps``): an all-zero matrix (an expert that got no token)
     costs nothing extra."""
-    suspect = ~(norm >= _SMALLEST_TRUSTED_NORM) | torch.isinf(norm)
-    if eps >= _SMALLEST_TRUSTED_NORM:
-        suspect &= norm != 0
-    return suspect.flatten().nonzero().flatten().tolist() if bool(suspect.any()) else []
+    # One read of the [B] norms (free on a CPU, where this runs) instead of a chain of [B]
+    # operators: the same test, in Python.
+    zero_is_plain = eps >= _SMALLEST_TRUSTED_NORM
+    return [
+        i
+        for i, value in enumerate(norm.flatten().tolist())
+        if (not value >= _SMALLEST_TRUSTED_NORM or math.isinf(value))
+        and not (zero_is_plain and value == 0.0)
+    ]
 
 
 def normalize(

@@ -110,12 +110,13 @@ def sinkhorn_apply_(
     other rows (``None``: whole columns). Every rank of those groups calls this together.
     Temporaries: two fp32 ``[rows, cols]`` buffers (:func:`sinkhorn_temp_bytes`).
 
-    Any finite fp32 direction works, from denormals to 3e38. Each rank squares its own
-    block scaled by a power of two (its largest entry in [0.5, 1)) and sums the row norms
-    in fp64; the scale vectors are then kept in units of the mean row norm (a power of two
-    every rank reads from the same summed norms), the block's own power of two folded into
-    the scale whose sums stay on this rank. The result does not depend on the scale but
-    through ``eps``, which is scaled with it.
+    Any overall scale works (an fp32 direction from denormals to 3e38; rows and columns
+    within about 1e17 of each other, whose scales' squares stay in fp32). Each rank squares
+    its own block scaled by a power of two (its largest entry in [0.5, 1)) and sums the row
+    norms in fp64; the scale vectors are then kept in units of the mean row norm (a power of
+    two every rank reads from the same summed norms), the block's own power of two folded
+    into the scale whose sums stay on this rank. The result does not depend on the scale
+    but through ``eps``, which is scaled with it.
     """
     m, n = tuple(param.shape) if shape is None else shape
     rows_whole, cols_whole = sum_across_rows is None, sum_across_cols is None

@@ -142,7 +142,7 @@ class StepContext:
             out = self.orthogonalizer(X, self.coefficients, batch.eps)
             # What the call saw, from its own normalisation: no pass over the directions.
             masks, verdicts = self.orthogonalizer.take_report()
-            stats.nonfinite_counts.extend(mask.sum() for mask in masks)
+            stats.nonfinite_counts.extend(masks)
             # The guard's count and worst ratio stay on the device (read once, when asked).
             for verdict in verdicts:
                 stats.ns_checked += verdict.checked

@@ -83,8 +83,9 @@ class StepStats:
     # overlap="forward": seconds the caller waited for this step (the next forward's hooks,
     # synchronize and everything else that waits).
     overlap_wait_seconds: float = 0.0
-    # Per Newton–Schulz call, a device count of its matrices with a non-finite entry: kept
-    # on the device (no synchronisation in the step) until ``nonfinite_matrices`` is read.
+    # Per Newton–Schulz call, the device mask of its matrices with a non-finite entry (per
+    # Sinkhorn table, a 0-d flag): kept on the device, not even summed (no launch, no
+    # synchronisation in the step) until ``nonfinite_matrices`` is read.
     nonfinite_counts: list = field(default_factory=list, repr=False)
     # Per guarded Newton–Schulz call, the verdict's device count of recomputed matrices
     # (int64, 0-d) and its worst ratio (fp32, 0-d): kept on the device like the counts
@@ -96,12 +97,13 @@ class StepStats:
     def nonfinite_matrices(self) -> int:
         """Matrices this rank orthogonalized, and Sinkhorn tables it holds a shard of, whose
         direction held inf or NaN (a gradient or momentum gone non-finite): their update was
-        skipped (a zero direction; decoupled weight decay still applied to Muon matrices). Reading it synchronises with the device once (the
-        counts summed there first, not read one by one)."""
-        counts = [c for c in self.nonfinite_counts if isinstance(c, torch.Tensor)]
+        skipped (a zero direction; decoupled weight decay still applied to Muon matrices).
+        Reading it synchronises with the device once (the masks summed there first, not
+        read one by one)."""
+        masks = [c for c in self.nonfinite_counts if isinstance(c, torch.Tensor)]
         rest = sum(int(c) for c in self.nonfinite_counts if not isinstance(c, torch.Tensor))
-        if counts:
-            rest += int(torch.stack([c.reshape(()) for c in counts]).sum().item())
+        if masks:
+            rest += int(torch.cat([m.reshape(-1) for m in masks]).sum().item())
         return rest
 
     @property
