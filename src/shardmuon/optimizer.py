@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks
@@ -39,6 +40,7 @@ from shardmuon.runtime.agreement import (
     agreement_groups,
     check_live_agreement,
     check_plan_agreement,
+    check_replicated_values,
     live_settings,
 )
 from shardmuon.runtime.calibration import calibrate_plan, read_auto_record, with_auto_record
@@ -107,8 +109,13 @@ class Muon(Optimizer):
     Args:
         params: param groups (dicts with ``params`` and ``algorithm`` = ``"muon"``,
             ``"sinkhorn"`` or ``"adamw"``), or an iterable of tensors (one Muon group).
-        distributed_mesh, world_mesh, fsdp_mesh_dim, use_triton: dion's arguments, accepted
-            for drop-in use and only type-checked (distribution comes from the placements).
+        distributed_mesh: dion's argument. A ``ProcessGroup`` (dion's DDP form): plain
+            (non-DTensor) Muon parameters are replicas over it (DDP), and its ranks share
+            their Newton–Schulz work (each orthogonalizes its share of the batches and
+            broadcasts the results). A ``DeviceMesh`` is only type-checked (DTensor
+            parameters carry their own).
+        world_mesh, fsdp_mesh_dim, use_triton: dion's arguments, accepted for drop-in use
+            and only type-checked (distribution comes from the placements).
         newton_schulz_func: dion's custom-orthogonalization hook; only ``None`` is accepted.
         lr, mu, betas, weight_decay, epsilon, nesterov, adjust_lr, flatten: group defaults,
             dion's (``epsilon``: AdamW's eps and Newton–Schulz's normalisation eps). A group
@@ -139,7 +146,10 @@ class Muon(Optimizer):
             epsilon floor: a grad far below epsilon is damped as without AOL, at every dtype).
         rotate_owners: continue owners round-robin across batches (``False`` for benchmarks).
         split_replicas: HSDP: one replica orthogonalizes each batch and broadcasts the
-            result over the replicate dim, instead of every replica repeating it.
+            result over the replicate dim, instead of every replica repeating it. Plain
+            (non-DTensor) parameters in a job of several processes are then taken as
+            replicas over the whole job (DDP) and share the work the same way (their
+            values are compared across ranks once per plan; ranks that differ raise).
         warmup: :meth:`warmup` at construction and whenever a new plan first steps (its
             groups not yet warmed); ``None`` (default): on where the parameters are on a GPU
             and a group's collectives run on NCCL, off elsewhere (gloo, one process).
@@ -219,6 +229,13 @@ class Muon(Optimizer):
         )
         self.update_rms = float(update_rms)
         self._raw_partitions = dict(matrix_partitions or {})
+        # dion's DDP form: the ranks plain parameters are replicas over (kept as ranks, so
+        # copies and pickles carry it; the group is found again from them).
+        self._ddp_ranks = (
+            tuple(sorted(dist.get_process_group_ranks(distributed_mesh)))
+            if isinstance(distributed_mesh, dist.ProcessGroup)
+            else None
+        )
         self._auto_record: dict | None = None  # "auto"'s table: checkpoints and copies keep it
         self._reset_runtime()
         super().__init__(params, defaults)
@@ -315,7 +332,17 @@ class Muon(Optimizer):
             self.workspace_bytes,
             self._newton_schulz_settings().cost(self._device().type),
             self.adamw_chunks,
+            self._plain_replica_ranks(),
         )
+
+    def _plain_replica_ranks(self) -> tuple[int, ...] | None:
+        """The ranks plain parameters are replicas over: ``distributed_mesh``'s (a process
+        group), or with ``split_replicas`` the whole job's; ``None``: they are local."""
+        if self._ddp_ranks is not None:
+            return self._ddp_ranks
+        if self.split_replicas and dist.is_initialized() and dist.get_world_size() > 1:
+            return tuple(range(dist.get_world_size()))
+        return None
 
     def _make_plan(self, param_groups: list[dict] | None = None) -> Plan:
         groups = self.param_groups if param_groups is None else param_groups
@@ -344,6 +371,14 @@ class Muon(Optimizer):
             check_group(index, group)
         plan = self._make_plan()
         check_backends(agreement_groups(plan.batches, plan.sinkhorn), self._device())
+        if self.split_replicas and all(layout.replicas is None for layout in plan.layouts):
+            warnings.warn(
+                "split_replicas=True has no effect: no Muon parameter is replicated over "
+                "ranks (an HSDP Replicate mesh dim, or plain parameters in a job of several "
+                "processes, DDP)",
+                UserWarning,
+                stacklevel=3,
+            )
         self._plan, self._plan_key = plan, key
         self._init_state()
         self._plan_verified = False
@@ -565,6 +600,7 @@ class Muon(Optimizer):
         if self.check_grads == "always" or not self._plan_verified:
             self._check_agreement()
             if not self._plan_verified:
+                check_replicated_values(self._plan)
                 # A new plan's groups (warmed ones are skipped), once the ranks agreed on
                 # the plan and on the setting: they all warm the same groups in one order.
                 self._warm_plan_groups(self.warmup_setting)

@@ -76,6 +76,28 @@ def _group_of(process_group: dist.ProcessGroup, mesh_ranks: tuple[int, ...]) -> 
     return ShardGroup(ranks, process_group.rank(), process_group, in_mesh_order)
 
 
+def replicas_of_plain_params(ranks: tuple[int, ...] | None) -> ShardGroup | None:
+    """The group over which plain (non-DTensor) parameters are replicas (DDP): ``ranks``
+    (sorted global ranks, this rank among them), the whole world when they are the world's,
+    else a group of them made by its members. ``None`` for ``None`` or a single rank."""
+    if ranks is None or len(ranks) < 2:
+        return None
+    rank = dist.get_rank()
+    if rank not in ranks:
+        raise ValueError(
+            f"rank {rank} is not in the process group given as distributed_mesh (ranks "
+            f"{list(ranks)}): every rank that steps this optimizer must be"
+        )
+    if len(ranks) == dist.get_world_size():
+        process_group = dist.group.WORLD
+    else:
+        made = made_in_this_world(_FLATTENED_GROUPS)
+        if ranks not in made:
+            made[ranks] = group_of_ranks(ranks)
+        process_group = made[ranks]
+    return ShardGroup(ranks, ranks.index(rank), process_group)
+
+
 def _mesh_ranks(mesh, mesh_dims: Sequence[int]) -> tuple[int, ...]:
     """The global ranks along ``mesh_dims`` (row-major; other dims at this rank's coordinate)."""
     coordinate = mesh.get_coordinate()

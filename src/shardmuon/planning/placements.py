@@ -259,8 +259,10 @@ def matrix_layout(
     *,
     partitions: tuple[int, ...] | None = None,
     split_replicas: bool = False,
+    plain_replicas: ShardGroup | None = None,
 ) -> MatrixLayout:
-    """Read one Muon parameter's layout from its placements (plain tensors are local).
+    """Read one Muon parameter's layout from its placements (plain tensors are local, or
+    replicas over ``plain_replicas``: DDP).
 
     Raises ``NotImplementedError`` for shard kinds other than ``Shard``/``_StridedShard`` on
     a matrix dim (or, with ``flatten``, a shard on a dim other than 0), ``ValueError`` for
@@ -284,7 +286,7 @@ def matrix_layout(
         flatten=flatten,
     )
     if not isinstance(param, DTensor):
-        return MatrixLayout(**base)
+        return MatrixLayout(**base, replicas=plain_replicas)
     mesh = param.device_mesh
     matrix_dims = _matrix_dims(param.ndim, flatten)
     row_dim = 0 if flatten else param.ndim - 2

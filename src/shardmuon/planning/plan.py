@@ -15,6 +15,7 @@ from torch import Tensor
 from shardmuon.ops.orthogonalizer import DEFAULT_COST, EngineCost
 from shardmuon.ops.partitions import check_partitions, dion_group_partitions, row_scales
 from shardmuon.planning.batches import MuonBatch, PlanEntry, plan_batches
+from shardmuon.planning.groups import ShardGroup, replicas_of_plain_params
 from shardmuon.planning.placements import (
     MatrixLayout,
     SinkhornLayout,
@@ -94,6 +95,8 @@ class Plan:
     # The Newton–Schulz engine's cost model the batches were cut and balanced with.
     ns_cost: EngineCost = DEFAULT_COST
     sinkhorn: list[SinkhornChunk] = field(default_factory=list)
+    # The group plain (non-DTensor) Muon parameters are replicas over (DDP), if any.
+    plain_replicas: ShardGroup | None = None
 
 
 def plan_key(
@@ -105,6 +108,7 @@ def plan_key(
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     ns_cost: EngineCost = DEFAULT_COST,
     adamw_chunks: str = "group",
+    plain_replica_ranks: tuple[int, ...] | None = None,
 ) -> tuple:
     """Everything a plan is built from, as a comparable value.
 
@@ -134,6 +138,7 @@ def plan_key(
         int(workspace_bytes),
         ns_cost,
         adamw_chunks,
+        plain_replica_ranks,
     )
 
 
@@ -155,13 +160,18 @@ def build_plan(
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     ns_cost: EngineCost = DEFAULT_COST,
     adamw_chunks: str = "group",
+    plain_replica_ranks: tuple[int, ...] | None = None,
 ) -> Plan:
     """Read every Muon parameter's layout and partitions and cut the batches (once).
 
     Local stacks are cut so that one batch fits ``workspace_bytes`` (see ``planning/workspace.py``).
     ``adamw_chunks``: ``"group"`` (one AdamW chunk per group) or ``"parameter"`` (one per
-    parameter).
+    parameter). ``plain_replica_ranks``: the ranks over which plain (non-DTensor) parameters
+    are replicas (DDP); their batches are then split among those ranks as
+    ``split_replicas`` splits HSDP replicas (``None``: plain parameters are local).
     """
+    plain_replicas = replicas_of_plain_params(plain_replica_ranks)
+    split_replicas = split_replicas or plain_replicas is not None
     muon_params: list[tuple[int, Tensor]] = []
     positions: list[int] = []
     for g, group in enumerate(param_groups):
@@ -199,7 +209,12 @@ def build_plan(
         # After the partitions: on a permuted mesh, whether a layout can be stepped can
         # depend on them (planning/mesh_order.py).
         layout = matrix_layout(
-            name, p, flatten=group["flatten"], partitions=sizes, split_replicas=split_replicas
+            name,
+            p,
+            flatten=group["flatten"],
+            partitions=sizes,
+            split_replicas=split_replicas,
+            plain_replicas=plain_replicas,
         )
         layouts.append(layout)
         partitions.append(sizes)
@@ -246,4 +261,5 @@ def build_plan(
         adamw=adamw,
         ns_cost=ns_cost,
         sinkhorn=sinkhorn,
+        plain_replicas=plain_replicas,
     )

@@ -423,15 +423,18 @@ def live_description(
     return [*described, common[-1]]
 
 
-def spread_rounds(params: Iterable[Tensor], summed: Iterable[Tensor] = ()) -> int:
+def spread_rounds(
+    params: Iterable[Tensor], summed: Iterable[Tensor] = (), plain_replicated: bool = False
+) -> int:
     """How many times a failure found in one group must be passed on over every group so
     that every rank of the job hears of it (HSDP's 2x2: rank 3 shares no group with rank 0,
     yet would wait in its all-to-all for a peer that raised). Two ranks are at most as many
     groups apart as there are kinds of group: one per mesh and set of mesh dims a
     parameter is split over (its exchange group; a split of batch dims counted with it, an
     upper bound) and one per mesh dim it is replicated over. Read from the placements of
-    ``params`` (the Muon parameters): the same on every rank that planned alike."""
-    kinds = set()
+    ``params`` (the Muon parameters): the same on every rank that planned alike; plain
+    parameters replicated over a process group (DDP) are one kind more."""
+    kinds: set = {("plain", "replicated")} if plain_replicated else set()
     for p in summed:  # Sinkhorn parameters: a group per mesh dim that splits them
         if isinstance(p, DTensor):
             mesh = p.device_mesh
@@ -625,9 +628,38 @@ def check_plan_agreement(
     """:func:`check_agreement` over every group a plan (``planning.plan.Plan``) uses, in
     the order of :func:`agreement_groups`; returns each group's agreed spread count."""
     sinkhorn_params = [param_groups[c.group_index]["params"][c.param_index] for c in plan.sinkhorn]
-    rounds = spread_rounds(plan.params, sinkhorn_params)
+    rounds = spread_rounds(plan.params, sinkhorn_params, plan.plain_replicas is not None)
     return check_agreement(
         agreement_groups(plan.batches, plan.sinkhorn), plan.batches, plan.params,
         plan.group_of, param_groups, settings, device, ops, compare_grads=compare_grads,
         rounds=rounds, sinkhorn=plan.sinkhorn,
     )  # fmt: skip
+
+
+def check_replicated_values(plan) -> None:
+    """Plain (non-DTensor) Muon parameters taken as replicas (DDP: ``split_replicas`` or a
+    process group as ``distributed_mesh``) must hold the same values on every rank of their
+    group, or the broadcast results would update one rank's weights with another's. Once
+    per plan: one fp64 sum per parameter, its MAX and MIN over the group compared (every
+    rank reads the same two vectors, so all raise alike)."""
+    group = plan.plain_replicas
+    plain = [(i, p) for i, p in enumerate(plan.params) if not isinstance(p, DTensor)]
+    if group is None or not plain:
+        return
+    sums = torch.stack([p.detach().sum(dtype=torch.float64) for _, p in plain])
+    high, low = sums.clone(), sums.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group.process_group)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group.process_group)
+    same = (high == low) | (torch.isnan(high) & torch.isnan(low))
+    differ = [plain[k][0] for k in (~same).nonzero().flatten().tolist()]
+    if differ:
+        shown = ", ".join(f"{k} (shape {tuple(plan.params[k].shape)})" for k in differ[:4]) + (
+            f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+        )
+        raise ValueError(
+            f"Muon parameters {shown} differ between ranks {list(group.ranks)}: plain "
+            "(non-DTensor) parameters are taken as DDP replicas (split_replicas=True, or a "
+            "process group as distributed_mesh) and share their Newton-Schulz work, so every "
+            "rank must hold the same values (DDP broadcasts them at construction). Give "
+            "each rank's own parameters without split_replicas, or lay them out as DTensors"
+        )

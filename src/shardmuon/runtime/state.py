@@ -300,7 +300,13 @@ def load_groups_to_host(
 SETTINGS_KEY = "_shardmuon_settings"
 # ``_default_coefficients`` is the same object as ``coefficients`` while they are the
 # default (deepcopy and pickle keep the identity), so the default follows the preconditioner.
-COPIED_PRIVATE = ("_raw_partitions", "_default_coefficients", "_auto_record", "warmup_setting")
+COPIED_PRIVATE = (
+    "_raw_partitions",
+    "_default_coefficients",
+    "_auto_record",
+    "warmup_setting",
+    "_ddp_ranks",
+)
 
 
 def with_settings(
