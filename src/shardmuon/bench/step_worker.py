@@ -2,7 +2,8 @@
 
 Weights and grads are random from seeds made of the parameter name, the step and the rank
 only, so every implementation (and both passes of an ABBA run) sees the same weights and
-grads.
+grads. Plain (non-DTensor) parameters (``--layout none``) are DDP replicas: their seeds
+leave the rank out, so every rank holds the same weights and grads.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardmuon.bench.common import name_seed
 from shardmuon.bench.launch import RankContext
@@ -101,16 +103,21 @@ def _build(ctx: RankContext, cfg: StepConfig):
     return model, layout
 
 
+def _rank_of(p: torch.Tensor, ctx: RankContext) -> int:
+    """The rank in a parameter's seeds: none for a plain parameter (a DDP replica)."""
+    return ctx.rank if isinstance(p, DTensor) else -1
+
+
 def _init_weights(model: nn.Module, ctx: RankContext, seed: int) -> None:
     for name, p in model.named_parameters():
-        _fill_normal_(p, INIT_STD, name_seed(seed, "w", name, ctx.rank))
+        _fill_normal_(p, INIT_STD, name_seed(seed, "w", name, _rank_of(p, ctx)))
 
 
 def _set_grads(model: nn.Module, ctx: RankContext, seed: int, step: int) -> None:
     for name, p in model.named_parameters():
         if p.grad is None:
             p.grad = torch.empty_like(p)
-        _fill_normal_(p.grad, 1.0, name_seed(seed, "g", step, name, ctx.rank))
+        _fill_normal_(p.grad, 1.0, name_seed(seed, "g", step, name, _rank_of(p, ctx)))
 
 
 def _state_tensors(opt) -> list[torch.Tensor]:
