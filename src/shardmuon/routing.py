@@ -4,9 +4,12 @@ weights are split.
 The rule is prime-rl's (``_create_muon_optimizer``), so that group order, and therefore the
 integer ids in ``state_dict()["state"]``, match dion checkpoints:
 
-* a trainable parameter goes to Muon when ``ndim >= 2`` and its name contains neither
-  ``lm_head`` nor ``embed_tokens``; everything else (norms, biases, embeddings, the output
-  head) goes to the ``adamw`` group;
+* a trainable parameter goes to Muon when ``ndim >= 2`` and it is neither an embedding
+  table nor an output head; everything else (norms, biases, embeddings, the output head)
+  goes to the ``adamw`` group. Given the model, embeddings and heads are found from its
+  modules (``nn.Embedding``, ``get_output_embeddings()``, an ``nn.Linear`` onto the
+  vocabulary); given names, by prime-rl's ``lm_head`` and ``embed_tokens`` substrings and
+  the other families' names (``_EMBEDDING_COMPONENTS``, torchtitan's top-level ``output``);
 * among the Muon parameters, MoE expert stacks get their own group, routers get their own
   group, and the rest form the main group;
 * groups come in the order main Muon, experts, router, adamw; a group with no parameter
@@ -54,10 +57,11 @@ them raises ``ValueError`` rather than orthogonalizing the wrong blocks.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from shardmuon.ops.update import ADJUST_LR_CHOICES
 
@@ -87,6 +91,26 @@ SINKHORN = "sinkhorn"
 GROUP_ORDER = (MUON, MUON_EXPERTS, MUON_ROUTER, SINKHORN, ADAMW)
 EMBEDDING_UPDATES = ("adamw", "sinkhorn")
 
+# Embedding tables and output heads of other model families, matched on whole name
+# components: GPT-2 (``wte``, ``wpe``), torchtitan (``tok_embeddings``), BERT-style
+# (``word_embeddings``, ``position_embeddings``), GPT-NeoX (``embed_in``, ``embed_out``),
+# OPT/BART (``embed_positions``). torchtitan's head is a top-level ``output`` (``output.weight``
+# once wrapper prefixes are dropped); ``output`` elsewhere (BERT's ``attention.output``) is not.
+_EMBEDDING_COMPONENTS = frozenset(
+    {
+        "wte",
+        "wpe",
+        "tok_embeddings",
+        "word_embeddings",
+        "position_embeddings",
+        "embed_in",
+        "embed_out",
+        "embed_positions",
+    }
+)
+_WRAPPER_COMPONENTS = frozenset(
+    {"_orig_mod", "module", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+)
 _ROUTER_COMPONENTS = frozenset({"router", "gate"})
 _EXPERT_COMPONENTS = frozenset({"experts"})
 # Fused Q/K/V names whose Hugging Face layout is contiguous [Q; K; V] rows.
@@ -113,6 +137,21 @@ class RoutedParams:
     groups: list[dict]
     partitions: dict[Tensor, tuple[int, ...]] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    # Why each routed parameter went where it did, and its (global) shape.
+    reasons: dict[str, str] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line per routed parameter: its name, shape, group and why."""
+        rows = [("parameter", "shape", "group", "why")]
+        for name, label in self.labels.items():
+            shape = "x".join(map(str, self.shapes.get(name, ()))) or "scalar"
+            rows.append((name, shape, label, self.reasons.get(name, "")))
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        return "\n".join(
+            "  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3]
+            for row in rows
+        )
 
 
 def _components(name: str) -> list[str]:
@@ -126,7 +165,7 @@ def route_name(name: str, ndim: int) -> str:
     (``experts``; ``router`` or ``gate``) for the Hugging Face names listed in the module
     docstring. Experts win over routers, as in prime-rl.
     """
-    if ndim < 2 or "lm_head" in name or "embed_tokens" in name:
+    if ndim < 2 or _embedding_by_name(name):
         return ADAMW
     parts = _components(name)
     if "mlp.experts" in name or _EXPERT_COMPONENTS.intersection(parts):
@@ -136,9 +175,19 @@ def route_name(name: str, ndim: int) -> str:
     return MUON
 
 
+def _embedding_by_name(name: str) -> bool:
+    """An embedding table or output head by its name: prime-rl's substrings (``lm_head``,
+    ``embed_tokens``) or another family's component (:data:`_EMBEDDING_COMPONENTS`,
+    torchtitan's top-level ``output``)."""
+    if "lm_head" in name or "embed_tokens" in name:
+        return True
+    parts = [p for p in _components(name) if p not in _WRAPPER_COMPONENTS]
+    return bool(_EMBEDDING_COMPONENTS.intersection(parts)) or parts == ["output", "weight"]
+
+
 def _is_embedding(name: str, ndim: int) -> bool:
-    """An embedding table or output head, by prime-rl's names (2-D only)."""
-    return ndim == 2 and ("lm_head" in name or "embed_tokens" in name)
+    """An embedding table or output head by name (2-D only)."""
+    return ndim == 2 and _embedding_by_name(name)
 
 
 def gate_up_partition(
@@ -259,8 +308,62 @@ def _partition_for(
     return None
 
 
+def _embeddings_of(model: nn.Module) -> tuple[dict[int, str], set[int]]:
+    """``({id(param): why}, vocabulary sizes)`` of the embedding tables and output heads
+    read from ``model``'s modules: every ``nn.Embedding`` (and subclass); the model's
+    ``get_output_embeddings()`` (Hugging Face); an ``nn.Linear`` mapping the input
+    embedding's width to its vocabulary (torchtitan's ``output``). Tied heads are the
+    embedding's own parameter."""
+    found: dict[int, str] = {}
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    for name, module in embeddings:
+        found[id(module.weight)] = f"embedding ({type(module).__name__} {name or 'model'})"
+    table = _call_quietly(model, "get_input_embeddings")
+    if not isinstance(table, nn.Embedding) and embeddings:
+        table = max((m for _, m in embeddings), key=lambda m: m.num_embeddings)
+    vocab = {table.num_embeddings} if isinstance(table, nn.Embedding) else set()
+    head = getattr(_call_quietly(model, "get_output_embeddings"), "weight", None)
+    if isinstance(head, Tensor) and id(head) not in found:
+        found[id(head)] = "output head (the model's get_output_embeddings())"
+    if isinstance(table, nn.Embedding):
+        for name, module in model.named_modules():
+            if (
+                isinstance(module, nn.Linear)
+                and (module.out_features, module.in_features)
+                == (table.num_embeddings, table.embedding_dim)
+                and id(module.weight) not in found
+            ):
+                found[id(module.weight)] = (
+                    f"output head (nn.Linear {name} onto the {table.num_embeddings}-entry "
+                    "vocabulary)"
+                )
+    return found, vocab
+
+
+def _call_quietly(model: nn.Module, method: str):
+    """``model.method()`` if it has one that works, else ``None``."""
+    fn = getattr(model, method, None)
+    if not callable(fn):
+        return None
+    try:
+        return fn()
+    except (NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+def _why(label: str, ndim: int) -> str:
+    if ndim < 2:
+        return f"{ndim}-D: not a matrix"
+    return {
+        ADAMW: "embedding or output head (by name)",
+        SINKHORN: "embedding or output head (by name)",
+        MUON_EXPERTS: "expert stack (by name)",
+        MUON_ROUTER: "router (by name)",
+    }.get(label, "matrix")
+
+
 def build_param_groups(
-    named_params: Iterable[tuple[str, Tensor]],
+    named_params: Iterable[tuple[str, Tensor]] | nn.Module,
     *,
     lr: float,
     weight_decay: float,
@@ -272,7 +375,14 @@ def build_param_groups(
     partition_fused: bool = True,
     embedding_update: str = "adamw",
 ) -> RoutedParams:
-    """Route ``named_params`` (e.g. ``model.named_parameters()``) into Muon param groups.
+    """Route ``named_params`` (``model.named_parameters()``, or the model itself) into Muon
+    param groups.
+
+    Given the model, embeddings and output heads are found by what they are (module type,
+    the model's output embeddings, a linear map onto the vocabulary), names as a fallback;
+    given names, by name (prime-rl's ``embed_tokens``/``lm_head`` and the other families'
+    listed in the module docstring). A matrix with a vocabulary-sized dim routed to Muon
+    warns. ``RoutedParams.summary()`` says where each parameter went and why.
 
     Frozen parameters (``requires_grad=False``) are left out; a tensor given twice under two
     names is routed once, under its first name. Group dicts follow prime-rl:
@@ -303,6 +413,11 @@ def build_param_groups(
         )
     if num_attention_heads is not None:
         _check_head_counts(num_attention_heads, num_key_value_heads, head_dim)
+    by_module: dict[int, str] = {}
+    vocab: set[int] = set()
+    if isinstance(named_params, nn.Module):
+        by_module, vocab = _embeddings_of(named_params)
+        named_params = named_params.named_parameters()
     named = list(named_params)
     # Shapes of every parameter, frozen ones included: a frozen down_proj still tells
     # which layout its gate_up_proj sibling has.
@@ -317,6 +432,7 @@ def build_param_groups(
 
     members: dict[str, list[Tensor]] = {label: [] for label in GROUP_ORDER}
     labels: dict[str, str] = {}
+    reasons: dict[str, str] = {}
     partitions: dict[Tensor, tuple[int, ...]] = {}
     seen: set[int] = set()
     heads = (num_attention_heads, num_key_value_heads, head_dim)
@@ -324,9 +440,17 @@ def build_param_groups(
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        label = route_name(name, param.ndim)
-        if embedding_update == SINKHORN and label == ADAMW and _is_embedding(name, param.ndim):
-            label = SINKHORN
+        if id(param) in by_module and param.ndim >= 2:
+            label, reasons[name] = ADAMW, by_module[id(param)]
+            embedding = param.ndim == 2
+        else:
+            label = route_name(name, param.ndim)
+            reasons[name] = _why(label, param.ndim)
+            embedding = _is_embedding(name, param.ndim)
+        if embedding and label == ADAMW:
+            vocab.add(int(param.shape[0]))
+            if embedding_update == SINKHORN:
+                label = SINKHORN
         labels[name] = label
         members[label].append(param)
         if partition_fused and label != ADAMW:
@@ -347,4 +471,40 @@ def build_param_groups(
         ADAMW: {"algorithm": "adamw", "lr": lr, "weight_decay": weight_decay},
     }
     groups = [{"params": members[label], **specs[label]} for label in GROUP_ORDER if members[label]]
-    return RoutedParams(groups=groups, partitions=partitions, labels=labels)
+    _warn_vocabulary_sized(labels, shapes, vocab)
+    return RoutedParams(
+        groups=groups,
+        partitions=partitions,
+        labels=labels,
+        reasons=reasons,
+        shapes={name: shapes[name] for name in labels},
+    )
+
+
+_SMALLEST_WARNED_VOCAB = 1000
+
+
+def _warn_vocabulary_sized(
+    labels: dict[str, str], shapes: dict[str, tuple[int, ...]], vocab: set[int]
+) -> None:
+    """Warn of Muon matrices with a vocabulary-sized dim (a vocabulary of at least
+    :data:`_SMALLEST_WARNED_VOCAB` entries: smaller ones coincide with other widths of small
+    test models): likely an embedding or output head that neither its module nor its name
+    gave away."""
+    vocab = {v for v in vocab if v >= _SMALLEST_WARNED_VOCAB}
+    suspects = [
+        f"{name} {shapes[name]}"
+        for name, label in labels.items()
+        if label in (MUON, MUON_ROUTER)
+        and len(shapes[name]) == 2
+        and vocab.intersection(shapes[name])
+    ]
+    if suspects:
+        warnings.warn(
+            f"{len(suspects)} matrix(es) with a vocabulary-sized dim ({sorted(vocab)}) go to "
+            f"Muon: {', '.join(suspects[:4])}{' ...' if len(suspects) > 4 else ''}. If they "
+            "are embeddings or output heads, pass the model (build_param_groups(model, ...)) "
+            "or give their group yourself ({'params': [...], 'algorithm': 'adamw'})",
+            UserWarning,
+            stacklevel=3,
+        )
