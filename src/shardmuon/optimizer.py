@@ -87,6 +87,7 @@ from shardmuon.validation import (
     check_optimizer_settings,
     group_defaults,
     resolve_max_in_flight,
+    split_by_shape,
     with_sinkhorn_defaults,
 )
 
@@ -108,7 +109,12 @@ class Muon(Optimizer):
 
     Args:
         params: param groups (dicts with ``params`` and ``algorithm`` = ``"muon"``,
-            ``"sinkhorn"`` or ``"adamw"``), or an iterable of tensors (one Muon group).
+            ``"sinkhorn"`` or ``"adamw"``), or an iterable of tensors. A group without an
+            ``algorithm`` (or the tensors) is split by shape: its matrices (2-D or more) to
+            Muon, the rest to AdamW, each keeping the group's other keys (so
+            ``Muon(model.parameters())`` and Hugging Face's ``optimizer_cls_and_kwargs``
+            work; embeddings and heads are matrices then: route them with
+            :func:`shardmuon.routing.build_param_groups`).
         distributed_mesh: dion's argument. A ``ProcessGroup`` (dion's DDP form): plain
             (non-DTensor) Muon parameters are replicas over it (DDP), and its ranks share
             their Newton–Schulz work (each orthogonalizes its share of the batches and
@@ -238,7 +244,7 @@ class Muon(Optimizer):
         )
         self._auto_record: dict | None = None  # "auto"'s table: checkpoints and copies keep it
         self._reset_runtime()
-        super().__init__(params, defaults)
+        super().__init__(split_by_shape(params), defaults)
         # OneCycleLR/CyclicLR need "momentum" in the defaults (an alias of mu / beta1,
         # validation.apply_momentum_alias); added after the groups, so dion's keys otherwise.
         self.defaults[MOMENTUM_ALIAS] = None

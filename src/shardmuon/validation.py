@@ -460,3 +460,43 @@ def check_live_groups(param_groups: list[dict]) -> None:
     for index, group in enumerate(param_groups):
         apply_momentum_alias(index, group)
         check_group_settings(index, group)
+
+
+def split_by_shape(params: Any) -> Any:
+    """``params`` with every group that names no ``algorithm`` (or a plain iterable of
+    tensors, one such group) split in two: its matrices (2-D or more) as a Muon group and
+    the rest as an ``"adamw"`` group, both keeping the group's other keys; an empty half is
+    left out. Groups that name their algorithm pass unchanged."""
+    if isinstance(params, Tensor):
+        return params  # torch's own error for a single tensor
+    items = list(params)
+    if not items:
+        return items  # torch's own error
+    if not all(isinstance(item, dict) for item in items):
+        if any(isinstance(item, dict) for item in items):
+            return items  # mixed: torch's own error
+        items = [{"params": items}]
+    out = []
+    for group in items:
+        raw = group.get("params")
+        if "algorithm" in group or raw is None or isinstance(raw, set):
+            out.append(group)  # named, or torch's own error
+            continue
+        members = [raw] if isinstance(raw, Tensor) else list(raw)
+        named = [isinstance(p, tuple) for p in members]
+        if any(named) and not all(named):
+            out.append({**group, "params": members})  # torch's own error
+            continue
+        tensors = [p[1] if isinstance(p, tuple) else p for p in members]
+
+        def is_matrix(t: object) -> bool:
+            return isinstance(t, Tensor) and t.ndim >= 2
+
+        matrices = [p for p, t in zip(members, tensors) if is_matrix(t)]
+        others = [p for p, t in zip(members, tensors) if not is_matrix(t)]
+        rest = {k: v for k, v in group.items() if k != "params"}
+        if matrices or not others:
+            out.append({**rest, "params": matrices})
+        if others:
+            out.append({**rest, "params": others, "algorithm": "adamw"})
+    return out

@@ -1,0 +1,2 @@
+"""Entry points for trainers that build the optimizer themselves (``hf``: Hugging Face
+``transformers.Trainer``)."""
