@@ -40,7 +40,6 @@ from shardmuon.runtime.agreement import (
     agreement_groups,
     check_live_agreement,
     check_plan_agreement,
-    check_replicated_values,
     live_settings,
 )
 from shardmuon.runtime.calibration import calibrate_plan, read_auto_record, with_auto_record
@@ -155,7 +154,7 @@ class Muon(Optimizer):
             result over the replicate dim, instead of every replica repeating it. Plain
             (non-DTensor) parameters in a job of several processes are then taken as
             replicas over the whole job (DDP) and share the work the same way (their
-            values are compared across ranks once per plan; ranks that differ raise).
+            values and grads are compared across ranks with the plan; ranks that differ raise).
         warmup: :meth:`warmup` at construction and whenever a new plan first steps (its
             groups not yet warmed); ``None`` (default): on where the parameters are on a GPU
             and a group's collectives run on NCCL, off elsewhere (gloo, one process).
@@ -315,7 +314,23 @@ class Muon(Optimizer):
         """
         self.synchronize()
         self._rounds.refuse_while_open("add_param_group")
-        given_alias = MOMENTUM_ALIAS in param_group
+        if isinstance(param_group, dict) and "algorithm" not in param_group:
+            # Split by shape as the constructor does: its matrices, then the rest (AdamW).
+            parts = split_by_shape([param_group])
+            if len(parts) > 1:
+                added = 0
+                try:
+                    for part in parts:
+                        self.add_param_group(part)
+                        added += 1
+                except Exception:
+                    del self.param_groups[len(self.param_groups) - added :]
+                    if added and self._plan_key is not None:
+                        self._ensure_plan()
+                    raise
+                return
+            param_group = parts[0]
+        given_alias = isinstance(param_group, dict) and MOMENTUM_ALIAS in param_group
         if isinstance(param_group, dict):
             param_group = with_sinkhorn_defaults(param_group)
         super().add_param_group(param_group)
@@ -606,7 +621,6 @@ class Muon(Optimizer):
         if self.check_grads == "always" or not self._plan_verified:
             self._check_agreement()
             if not self._plan_verified:
-                check_replicated_values(self._plan)
                 # A new plan's groups (warmed ones are skipped), once the ranks agreed on
                 # the plan and on the setting: they all warm the same groups in one order.
                 self._warm_plan_groups(self.warmup_setting)

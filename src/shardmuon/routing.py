@@ -185,6 +185,14 @@ def _embedding_by_name(name: str) -> bool:
     return bool(_EMBEDDING_COMPONENTS.intersection(parts)) or parts == ["output", "weight"]
 
 
+def _token_table(name: str) -> bool:
+    """A vocabulary-sized table or head by its name (not a position table)."""
+    parts = set(_components(name))
+    return ("lm_head" in name or "embed_tokens" in name) or bool(
+        parts & {"wte", "tok_embeddings", "word_embeddings", "embed_in", "embed_out", "output"}
+    )
+
+
 def _is_embedding(name: str, ndim: int) -> bool:
     """An embedding table or output head by name (2-D only)."""
     return ndim == 2 and _embedding_by_name(name)
@@ -323,20 +331,27 @@ def _embeddings_of(model: nn.Module) -> tuple[dict[int, str], set[int]]:
         table = max((m for _, m in embeddings), key=lambda m: m.num_embeddings)
     vocab = {table.num_embeddings} if isinstance(table, nn.Embedding) else set()
     head = getattr(_call_quietly(model, "get_output_embeddings"), "weight", None)
-    if isinstance(head, Tensor) and id(head) not in found:
-        found[id(head)] = "output head (the model's get_output_embeddings())"
+    if isinstance(head, Tensor):
+        if id(head) not in found:
+            found[id(head)] = "output head (the model's get_output_embeddings())"
+        return found, vocab  # the model names its head: no guessing
     if isinstance(table, nn.Embedding):
-        for name, module in model.named_modules():
-            if (
-                isinstance(module, nn.Linear)
-                and (module.out_features, module.in_features)
-                == (table.num_embeddings, table.embedding_dim)
-                and id(module.weight) not in found
-            ):
-                found[id(module.weight)] = (
-                    f"output head (nn.Linear {name} onto the {table.num_embeddings}-entry "
-                    "vocabulary)"
-                )
+        onto_vocab = [
+            (name, module)
+            for name, module in model.named_modules()
+            if isinstance(module, nn.Linear)
+            and (module.out_features, module.in_features)
+            == (table.num_embeddings, table.embedding_dim)
+            and id(module.weight) not in found
+        ]
+        # Several (an MLP as wide as the vocabulary): only a child of the root is the head.
+        if len(onto_vocab) > 1:
+            onto_vocab = [(n, m) for n, m in onto_vocab if "." not in n]
+        if len(onto_vocab) == 1:
+            name, module = onto_vocab[0]
+            found[id(module.weight)] = (
+                f"output head (nn.Linear {name} onto the {table.num_embeddings}-entry vocabulary)"
+            )
     return found, vocab
 
 
@@ -381,8 +396,9 @@ def build_param_groups(
     Given the model, embeddings and output heads are found by what they are (module type,
     the model's output embeddings, a linear map onto the vocabulary), names as a fallback;
     given names, by name (prime-rl's ``embed_tokens``/``lm_head`` and the other families'
-    listed in the module docstring). A matrix with a vocabulary-sized dim routed to Muon
-    warns. ``RoutedParams.summary()`` says where each parameter went and why.
+    listed in the module docstring; only the names ``named_params`` yields: a tied table is
+    one name there), and a matrix with a vocabulary-sized dim routed to Muon warns.
+    ``RoutedParams.summary()`` says where each parameter went and why.
 
     Frozen parameters (``requires_grad=False``) are left out; a tensor given twice under two
     names is routed once, under its first name. Group dicts follow prime-rl:
@@ -415,7 +431,8 @@ def build_param_groups(
         _check_head_counts(num_attention_heads, num_key_value_heads, head_dim)
     by_module: dict[int, str] = {}
     vocab: set[int] = set()
-    if isinstance(named_params, nn.Module):
+    from_model = isinstance(named_params, nn.Module)
+    if from_model:
         by_module, vocab = _embeddings_of(named_params)
         named_params = named_params.named_parameters()
     named = list(named_params)
@@ -436,6 +453,11 @@ def build_param_groups(
     partitions: dict[Tensor, tuple[int, ...]] = {}
     seen: set[int] = set()
     heads = (num_attention_heads, num_key_value_heads, head_dim)
+    # Every name of each tensor: a tied table is routed once, under its first name, but any
+    # of its names may say what it is (T5's shared.weight is also its embed_tokens).
+    names_of: dict[int, list[str]] = {}
+    for name, param in named:
+        names_of.setdefault(id(param), []).append(name)
     for name, param in named:
         if not param.requires_grad or id(param) in seen:
             continue
@@ -444,13 +466,17 @@ def build_param_groups(
             label, reasons[name] = ADAMW, by_module[id(param)]
             embedding = param.ndim == 2
         else:
-            label = route_name(name, param.ndim)
+            aliases = names_of[id(param)]
+            by_alias = next((n for n in aliases if _embedding_by_name(n)), name)
+            label = route_name(by_alias, param.ndim)
             reasons[name] = _why(label, param.ndim)
-            embedding = _is_embedding(name, param.ndim)
-        if embedding and label == ADAMW:
-            vocab.add(int(param.shape[0]))
-            if embedding_update == SINKHORN:
-                label = SINKHORN
+            if by_alias != name:
+                reasons[name] += f", tied to {by_alias}"
+            embedding = _is_embedding(by_alias, param.ndim)
+            if embedding and not by_module and _token_table(by_alias):
+                vocab.add(int(param.shape[0]))
+        if embedding and label == ADAMW and embedding_update == SINKHORN:
+            label = SINKHORN
         labels[name] = label
         members[label].append(param)
         if partition_fused and label != ADAMW:
@@ -471,7 +497,8 @@ def build_param_groups(
         ADAMW: {"algorithm": "adamw", "lr": lr, "weight_decay": weight_decay},
     }
     groups = [{"params": members[label], **specs[label]} for label in GROUP_ORDER if members[label]]
-    _warn_vocabulary_sized(labels, shapes, vocab)
+    if not from_model:  # the modules say what is a table or a head: no guessing
+        _warn_vocabulary_sized(labels, shapes, vocab)
     return RoutedParams(
         groups=groups,
         partitions=partitions,

@@ -103,3 +103,13 @@ def test_a_resume_from_the_trainers_checkpoint_is_bitwise(tmp_path) -> None:
     resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-2"))
     for n, p in resumed.model.named_parameters():
         assert torch.equal(p.detach(), want[n]), n
+
+
+def test_the_factory_passes_its_routing_settings_on() -> None:
+    opt = MuonFactory()(_model(), adjust_lr="spectral_norm", lr=0.01)
+    muon = [g for g in opt.param_groups if g["algorithm"] == "muon"]
+    assert muon and all(g["adjust_lr"] == "spectral_norm" for g in muon)
+    model = _model()
+    q = model.model.layers[0].self_attn.q_proj.weight  # 32 rows: two blocks of 16
+    opt = MuonFactory()(model, matrix_partitions={q: (16, 16)})
+    assert opt.routing.labels["model.layers.0.self_attn.q_proj.weight"] == "muon"

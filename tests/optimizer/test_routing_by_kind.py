@@ -165,3 +165,66 @@ def test_summary_names_every_parameter_its_group_and_why() -> None:
     assert "1500x32" in output and "adamw" in output and "output head" in output
     norm = next(line for line in lines if line.startswith("norm.weight"))
     assert "1-D: not a matrix" in norm
+
+
+def test_an_mlp_as_wide_as_the_vocabulary_is_not_a_head() -> None:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=32, intermediate_size=1024, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the model says what is what: no guessing
+        routed = build_param_groups(transformers.LlamaForCausalLM(config), lr=0.02, weight_decay=0)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert routed.labels[f"model.layers.0.mlp.{proj}.weight"] == MUON
+    assert routed.labels["lm_head.weight"] == ADAMW
+
+    class Titan(nn.Module):  # no get_output_embeddings: the root's linear onto the vocabulary
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(1024, 32)
+            self.ffn = nn.Sequential(nn.Linear(32, 1024), nn.Linear(1024, 32))
+            self.head = nn.Linear(32, 1024, bias=False)
+
+    routed = build_param_groups(Titan(), lr=0.02, weight_decay=0)
+    assert routed.labels["ffn.0.weight"] == MUON and routed.labels["head.weight"] == ADAMW
+
+
+def test_a_position_table_is_no_vocabulary() -> None:
+    named = [
+        ("wte.weight", torch.zeros(1000, 1024)),
+        ("wpe.weight", torch.zeros(1024, 1024)),  # positions: as wide as the model
+        ("h.0.mlp.c_fc.weight", torch.zeros(1024, 4096)),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_param_groups([(n, nn.Parameter(t)) for n, t in named], lr=0.02, weight_decay=0)
+
+
+def test_a_tied_table_goes_by_any_of_its_names() -> None:
+    shared = nn.Parameter(torch.zeros(1200, 16))
+    named = [("shared.weight", shared), ("encoder.embed_tokens.weight", shared)]
+    routed = build_param_groups(named, lr=0.02, weight_decay=0)
+    assert routed.labels == {"shared.weight": ADAMW}
+    assert "tied to encoder.embed_tokens.weight" in routed.reasons["shared.weight"]
+
+
+def test_groups_without_an_algorithm_split_by_shape() -> None:
+    w, v = nn.Parameter(torch.randn(8, 12)), nn.Parameter(torch.randn(12))
+    opt = Muon([w, v], lr=0.02)
+    assert [(g["algorithm"], len(g["params"])) for g in opt.param_groups] == [
+        ("muon", 1),
+        ("adamw", 1),
+    ]
+    u, b = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(4))
+    opt.add_param_group({"params": [u, b], "weight_decay": 0.5})
+    assert [(g["algorithm"], g["weight_decay"]) for g in opt.param_groups[2:]] == [
+        ("muon", 0.5),
+        ("adamw", 0.5),
+    ]
+    for p in (w, v, u, b):
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    with pytest.raises(ValueError, match="empty parameter list"):  # torch's own errors stay
+        Muon([])

@@ -37,8 +37,9 @@ class MuonFactory:
     """``transformers.Trainer``'s optimizer-factory protocol: ``MuonFactory()(model,
     **kwargs)`` returns a :class:`~shardmuon.Muon` over ``model``'s trainable parameters.
 
-    ``lr``, ``weight_decay``, ``embedding_update``: as in
-    :func:`~shardmuon.routing.build_param_groups`; ``decay_vectors=False`` (default, the
+    ``lr``, ``weight_decay``, ``adjust_lr``, ``embedding_update``: as in
+    :func:`~shardmuon.routing.build_param_groups` (``matrix_partitions`` given here are
+    added to the fused weights it recognises); ``decay_vectors=False`` (default, the
     Trainer's convention): AdamW's 0-D/1-D parameters get no weight decay. Every other
     keyword goes to :class:`~shardmuon.Muon`. The routing is kept as the optimizer's
     ``routing`` attribute (``opt.routing.summary()``).
@@ -51,13 +52,19 @@ class MuonFactory:
         lr: float = 0.02,
         weight_decay: float = 0.0,
         embedding_update: str = "adamw",
+        adjust_lr: str | None = "rms_norm",
         decay_vectors: bool = False,
+        matrix_partitions: dict | None = None,
         **kwargs: Any,
     ) -> Muon:
         if not isinstance(model, nn.Module):
             raise TypeError(f"MuonFactory needs the model (an nn.Module), got {model!r}")
         routed = build_param_groups(
-            model, lr=lr, weight_decay=weight_decay, embedding_update=embedding_update
+            model,
+            lr=lr,
+            weight_decay=weight_decay,
+            adjust_lr=adjust_lr,
+            embedding_update=embedding_update,
         )
         groups = []
         for group in routed.groups:
@@ -74,7 +81,8 @@ class MuonFactory:
             groups,
             lr=lr,
             weight_decay=weight_decay,
-            matrix_partitions=routed.partitions,
+            adjust_lr=adjust_lr,
+            matrix_partitions={**routed.partitions, **(matrix_partitions or {})},
             **kwargs,
         )
         optimizer.routing = routed

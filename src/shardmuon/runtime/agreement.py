@@ -268,6 +268,13 @@ def describe(
                         ("dtype", str(param.dtype)),
                         ("matrices", segment.count),
                         *((key, _value(group[key])) for key in UPDATE_KEYS),
+                        (
+                            "values and grad (plain parameters taken as DDP replicas: the "
+                            "same on every rank)",
+                            _replica_fingerprint(param)
+                            if _plain_replica(batch, as_shard) and not isinstance(param, DTensor)
+                            else None,
+                        ),
                     ),
                 )
             )
@@ -278,6 +285,31 @@ def describe(
     order = collective_order(ops, batches, position, ranks)
     described.append(("the order of the step's collectives", (("order", tuple(order)),)))
     return described, flags, missing
+
+
+def _plain_replica(batch: MuonBatch, as_shard: bool) -> bool:
+    """A batch described over the group its parameters are replicas over, with no shard
+    group (plain parameters under DDP, or ``Replicate()`` DTensors: the caller tells them
+    apart)."""
+    return not as_shard and batch.layout.group is None and batch.layout.replicas is not None
+
+
+def _replica_fingerprint(param: Tensor) -> tuple[str, ...]:
+    """What plain replicas must share, in one host read: per tensor (the value, then the
+    grad), the fp64 sum, sum of squares and a position-weighted sum of its finite entries
+    (a permutation changes the last) and its count of NaN and inf entries. Exact values:
+    replicas hold the same bits, so they compute the same sums."""
+    tensors = [param.detach()] + ([param.grad.detach()] if param.grad is not None else [])
+    rows = []
+    for t in tensors:
+        flat = t.reshape(-1)
+        finite = torch.isfinite(flat)
+        x = torch.where(finite, flat, 0).to(torch.float64)
+        weights = torch.linspace(1.0, 2.0, x.numel(), dtype=torch.float64, device=x.device)
+        rows.append(
+            torch.stack([x.sum(), (x * x).sum(), (x * weights).sum(), (~finite).sum().double()])
+        )
+    return tuple(float(v).hex() for v in torch.cat(rows).tolist())
 
 
 def _by_value(values: Sequence[object], ranks: Sequence[int], limit: int = 4) -> str:
@@ -634,32 +666,3 @@ def check_plan_agreement(
         plan.group_of, param_groups, settings, device, ops, compare_grads=compare_grads,
         rounds=rounds, sinkhorn=plan.sinkhorn,
     )  # fmt: skip
-
-
-def check_replicated_values(plan) -> None:
-    """Plain (non-DTensor) Muon parameters taken as replicas (DDP: ``split_replicas`` or a
-    process group as ``distributed_mesh``) must hold the same values on every rank of their
-    group, or the broadcast results would update one rank's weights with another's. Once
-    per plan: one fp64 sum per parameter, its MAX and MIN over the group compared (every
-    rank reads the same two vectors, so all raise alike)."""
-    group = plan.plain_replicas
-    plain = [(i, p) for i, p in enumerate(plan.params) if not isinstance(p, DTensor)]
-    if group is None or not plain:
-        return
-    sums = torch.stack([p.detach().sum(dtype=torch.float64) for _, p in plain])
-    high, low = sums.clone(), sums.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group.process_group)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group.process_group)
-    same = (high == low) | (torch.isnan(high) & torch.isnan(low))
-    differ = [plain[k][0] for k in (~same).nonzero().flatten().tolist()]
-    if differ:
-        shown = ", ".join(f"{k} (shape {tuple(plan.params[k].shape)})" for k in differ[:4]) + (
-            f" and {len(differ) - 4} more" if len(differ) > 4 else ""
-        )
-        raise ValueError(
-            f"Muon parameters {shown} differ between ranks {list(group.ranks)}: plain "
-            "(non-DTensor) parameters are taken as DDP replicas (split_replicas=True, or a "
-            "process group as distributed_mesh) and share their Newton-Schulz work, so every "
-            "rank must hold the same values (DDP broadcasts them at construction). Give "
-            "each rank's own parameters without split_replicas, or lay them out as DTensors"
-        )
