@@ -23,6 +23,7 @@ LAYERS = {
     "qk_clip": 3,
     "": 4,
     "config": 4,
+    "integrations": 4,
     "harness": 5,
     "train": 6,
     "bench": 7,

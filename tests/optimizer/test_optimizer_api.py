@@ -232,7 +232,8 @@ def test_add_param_group_extends_the_plan_and_state() -> None:
     stepped = sum(c.num_matrices for c in opt.chunks() if hasattr(c, "num_matrices"))
     assert stepped == 1 + 1 + 3  # the 3-D param is 3 matrices
     with pytest.raises(ValueError, match=r"param group 3 \(algorithm 'muon'\): parameter 0"):
-        opt.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(4))]))
+        vector = torch.nn.Parameter(torch.zeros(4))
+        opt.add_param_group(dict(params=[vector], algorithm="muon"))
     assert len(opt.param_groups) == 3  # the rejected group is not kept
     opt.step()
 
