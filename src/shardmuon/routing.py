@@ -96,17 +96,9 @@ EMBEDDING_UPDATES = ("adamw", "sinkhorn")
 # (``word_embeddings``, ``position_embeddings``), GPT-NeoX (``embed_in``, ``embed_out``),
 # OPT/BART (``embed_positions``). torchtitan's head is a top-level ``output`` (``output.weight``
 # once wrapper prefixes are dropped); ``output`` elsewhere (BERT's ``attention.output``) is not.
-_EMBEDDING_COMPONENTS = frozenset(
-    {
-        "wte",
-        "wpe",
-        "tok_embeddings",
-        "word_embeddings",
-        "position_embeddings",
-        "embed_in",
-        "embed_out",
-        "embed_positions",
-    }
+_POSITION_COMPONENTS = frozenset({"wpe", "position_embeddings", "embed_positions"})
+_EMBEDDING_COMPONENTS = _POSITION_COMPONENTS | frozenset(
+    {"wte", "tok_embeddings", "word_embeddings", "embed_in", "embed_out"}
 )
 _WRAPPER_COMPONENTS = frozenset(
     {"_orig_mod", "module", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
@@ -186,11 +178,8 @@ def _embedding_by_name(name: str) -> bool:
 
 
 def _token_table(name: str) -> bool:
-    """A vocabulary-sized table or head by its name (not a position table)."""
-    parts = set(_components(name))
-    return ("lm_head" in name or "embed_tokens" in name) or bool(
-        parts & {"wte", "tok_embeddings", "word_embeddings", "embed_in", "embed_out", "output"}
-    )
+    """Of an embedding or head found by name: a vocabulary-sized one (not positions)."""
+    return not _POSITION_COMPONENTS.intersection(_components(name))
 
 
 def _is_embedding(name: str, ndim: int) -> bool:

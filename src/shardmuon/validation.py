@@ -488,12 +488,9 @@ def split_by_shape(params: Any) -> Any:
             out.append({**group, "params": members})  # torch's own error
             continue
         tensors = [p[1] if isinstance(p, tuple) else p for p in members]
-
-        def is_matrix(t: object) -> bool:
-            return isinstance(t, Tensor) and t.ndim >= 2
-
-        matrices = [p for p, t in zip(members, tensors) if is_matrix(t)]
-        others = [p for p, t in zip(members, tensors) if not is_matrix(t)]
+        is_matrix = [isinstance(t, Tensor) and t.ndim >= 2 for t in tensors]
+        matrices = [p for p, matrix in zip(members, is_matrix) if matrix]
+        others = [p for p, matrix in zip(members, is_matrix) if not matrix]
         rest = {k: v for k, v in group.items() if k != "params"}
         if matrices or not others:
             out.append({**rest, "params": matrices})

@@ -37,6 +37,7 @@ __all__ = [
     "normalize",
     "normalize_unit",
     "normalize_without_sync",
+    "power_of_two_exponent",
 ]
 
 # Elements of one float32 temporary in the division (16 MiB): the fp32 copy of a large
@@ -57,11 +58,16 @@ class Normalized(NamedTuple):
     nonfinite: Tensor
 
 
+def power_of_two_exponent(value: Tensor) -> Tensor:
+    """``e`` with ``value * 2^-e`` in ``[0.5, 1)``, clamped to [-126, 126] so that ``2^-e``
+    is a normal fp32 (int32, the shape of ``value``; 0 for 0, inf and NaN)."""
+    return torch.frexp(value).exponent.clamp_(-126, 126)
+
+
 def _power_of_two_below(value: Tensor) -> Tensor:
     """``2^-e`` with ``value * 2^-e`` in ``[0.5, 1)`` (``e`` clamped so the factor stays a
     normal fp32; 0 gives 1): multiplying by it is exact."""
-    _, exponent = torch.frexp(value)
-    exponent.clamp_(-126, 126)
+    exponent = power_of_two_exponent(value)
     return torch.ldexp(torch.ones_like(value, dtype=torch.float32), -exponent).to(torch.float32)
 
 

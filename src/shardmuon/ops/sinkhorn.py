@@ -32,6 +32,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from shardmuon.ops.normalize import power_of_two_exponent
+
 __all__ = [
     "SINKHORN_DEFAULTS",
     "check_iters",
@@ -193,8 +195,7 @@ def _block_exponent(x: Tensor) -> Tensor:
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.int32, device=x.device)
     smallest, largest = torch.aminmax(x)  # one read (a norm with ord=inf is far slower)
-    largest = torch.maximum(largest, smallest.neg_())
-    return torch.frexp(largest).exponent.clamp_(-126, 126)
+    return power_of_two_exponent(torch.maximum(largest, smallest.neg_()))
 
 
 def _pow2(exponent: Tensor, dtype: torch.dtype) -> Tensor:
