@@ -98,5 +98,13 @@ for overlap in none forward; do
   step "train-big-$overlap" 45 $B train --nproc 1 --model "$MODEL" --layers "$BIG_LAYERS" --steps "$STEPS" \
     --overlap "$overlap" --no-progress --json "$RES/train-big-$overlap.json"
 done
+# torchtitan's DistMuon beside shardmuon on the same GPU, model and grads (when torchtitan and
+# triton import: carry their wheels in .whl as for pydantic).
+if $PY -c "import torchtitan.models.qwen3" 2>/dev/null; then
+  step distmuon 60 $PY scripts/compare_distmuon.py --device cuda --worlds 1 --dim 1024 --experts 32 \
+    --steps 6 --json "$RES/distmuon.json"
+else
+  echo "=== distmuon skipped: torchtitan (or triton) does not import here"
+fi
 step ab 25 $B bench ab --model tiny-moe --steps 3 --no-progress --json "$RES/ab.json"
 ls -la "$RES"

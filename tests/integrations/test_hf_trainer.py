@@ -15,26 +15,9 @@ from shardmuon.routing import ADAMW, MUON
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from hf_trainer_ddp_program import Tokens, tiny_llama  # noqa: E402
 
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int = 32, length: int = 16, vocab: int = 1200) -> None:
-        gen = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (n, length), generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def _model():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=1200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+_Tokens, _model = Tokens, tiny_llama
 
 
 def _trainer(tmp_path, optimizer, max_steps: int = 4, **args):

@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -556,3 +557,113 @@ def _version(package: str) -> str:
     from importlib.metadata import version
 
     return version(package)
+
+
+# ------------------------------------------------------------------ torchtitan's own models
+
+
+def _tiny_qwen3_moe():
+    """torchtitan's Qwen3-MoE at a CPU's size (``scripts/compare_distmuon.py``'s builder):
+    2 layers, dim 64, fused qkv (4 heads of 16), 4 experts of 64x64, top-2 routing."""
+    import importlib.util
+
+    from torchtitan.models.qwen3 import model_registry
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "compare_distmuon.py"
+    loader = importlib.util.spec_from_file_location("compare_distmuon", script)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    spec = model_registry("debugmodel_moe")
+    spec.model = module.qwen3_moe_config(dim=64, experts=4, head_dim=16)
+    return spec
+
+
+def _tiny_llama3():
+    """torchtitan's Llama-3 debug model (dim 256, fused qkv) cut to 2 layers."""
+    from torchtitan.models.llama3 import model_registry
+
+    spec = model_registry("debugmodel")
+    spec.model.layers = spec.model.layers[:2]
+    return spec
+
+
+@case("torchtitan_recipe_fsdp_tp_ep_bitwise", (4,))
+def _torchtitan_recipe(ctx: Context) -> None:
+    """docs/integrations.md's torchtitan recipe on torchtitan's own models and parallelisms:
+    ``with_muon`` on a registry config, the model parallelized by the model's own
+    ``parallelize_fn`` (Llama-3: FSDP2 x TP 2x2, fused qkv ``_StridedShard``; Qwen3-MoE: FSDP2
+    x TP x EP 2x2x2, expert stacks over ``("efsdp", "ep")``), the optimizers built by
+    ``config.optimizer.build(model_parts=...)`` as torchtitan's trainer does, and two steps
+    bitwise those of the same recipe on plain tensors in one process; the routing is
+    ``build_param_groups(model)``'s."""
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+
+    from shardmuon.integrations.torchtitan import MuonOptimizers, with_muon
+    from shardmuon.routing import build_param_groups
+
+    # torchtitan builds its meshes on "cuda" when no accelerator is found.
+    parallel_dims_module.device_type = "cpu"
+    problems = []
+    for family, spec, ep in (("llama3", _tiny_llama3(), 1), ("qwen3_moe", _tiny_qwen3_moe(), 2)):
+        parallelism = ParallelismConfig(
+            data_parallel_shard_degree=2, tensor_parallel_degree=2, expert_parallel_degree=ep,
+            spmd_backend="partial_dtensor",
+        )  # fmt: skip
+        config = SimpleNamespace(parallelism=parallelism, optimizer=None)
+        with_muon(config, lr=0.02, weight_decay=0.1, adamw_lr=0.01, nesterov=True)
+        if not isinstance(config.optimizer, MuonOptimizers.Config):
+            problems.append(f"{family}: with_muon gave {type(config.optimizer).__name__}")
+        spec.model.update_from_config(config=config)
+        dims = ParallelDims.from_config(parallelism, ctx.world_size)
+        dims.build_mesh()
+        with torch.device("meta"):
+            model = spec.model.build()
+            plain = spec.model.build()
+        model = spec.parallelize_fn(
+            model, parallel_dims=dims, training=TrainingConfig(), parallelism=parallelism,
+            compile_config=CompileConfig(), ac_config=None, dump_folder=tempfile.gettempdir(),
+        )  # fmt: skip
+        model.to_empty(device="cpu")
+        plain.to_empty(device="cpu")
+        with torch.no_grad():
+            for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+                full = random_tensors([tuple(p.shape)], 7 + len(name))[0] * 0.05
+                p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
+                q.copy_(full)
+        optimizers = config.optimizer.build(model_parts=[model])
+        reference = config.optimizer.build(model_parts=[plain])
+        names = {id(p): n for n, p in plain.named_parameters()}
+        by_kind = {
+            names[id(p)]: g["algorithm"]
+            for g in build_param_groups(plain, lr=0.02, weight_decay=0.1).groups
+            for p in g["params"]
+        }
+        by_pattern = {
+            n: g["algorithm"]
+            for g in reference.optimizers[0].param_groups
+            for n in g["param_names"]
+        }
+        if by_pattern != by_kind:
+            problems.append(
+                f"{family}: the recipe's patterns route otherwise than the model's kinds"
+            )
+        if (
+            not any(p.ndim == 3 for g in reference.optimizers[0].param_groups for p in g["params"])
+            and ep > 1
+        ):
+            problems.append(f"{family}: no expert stack reached Muon")
+        for step in range(2):
+            for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+                full = random_tensors([tuple(p.shape)], 100 * step + len(name))[0]
+                p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+                q.grad = full.clone()
+            optimizers.step()
+            reference.step()
+            optimizers.zero_grad()
+            reference.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            if not torch.equal(p.full_tensor(), q):
+                problems.append(f"{family}: {name} {p.placements} differs from one process")
+    fail_on(problems)
