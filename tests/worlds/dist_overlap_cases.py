@@ -12,6 +12,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -527,11 +528,14 @@ def a_failure_on_one_rank_reaches_its_peer_at_the_timeout(ctx: Context) -> None:
     if ctx.rank == 0:
         assert isinstance(error, OverlapError), repr(error)
         assert "injected failure at ('batch', 0)" in str(error)
-        # Stay alive past the peer's timeout: leaving at once (the harness's barrier timing
-        # out, then destroying the group) closes the connection under the peer, which then
-        # sees "Connection closed by peer" instead of the timeout this case is about.
-        time.sleep(4 * FAULT_TIMEOUT_S)
+        # Stay alive until the peer has seen its timeout: leaving at once (the harness's
+        # barrier timing out, then destroying the group) closes the connection under the
+        # peer, which then sees "Connection closed by peer" instead of the timeout this case
+        # is about. The store (on this rank) still works when the collectives do not.
+        store = dist.distributed_c10d._get_default_store()
+        store.wait(["fault-peer-saw-its-error"], timedelta(seconds=4 * FAULT_TIMEOUT_S))
     else:
+        dist.distributed_c10d._get_default_store().set("fault-peer-saw-its-error", "1")
         # Whichever of its collectives meets the gap first times out: the worker's
         # all-to-all (an OverlapError naming it) or the forward's FSDP2 all-gather.
         assert isinstance(error, OverlapError) or "Timed out" in str(error), repr(error)

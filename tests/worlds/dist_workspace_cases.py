@@ -58,13 +58,16 @@ def transient_under_budget(ctx: Context) -> None:
     gloo_slack += gemm_scratch_bytes(stats.ns_calls)
     assert memory.transient_bytes <= BUDGET + gloo_slack, (ctx.rank, memory, BUDGET, gloo_slack)
     assert estimate <= BUDGET, (ctx.rank, estimate)
-    # a generous budget really holds more in flight (the cap is what bounds it)
+    # a generous budget really holds more in flight (the cap is what bounds it): more than
+    # the tight plan's estimate, measured (the tight step's own measure can hold gloo's
+    # late frees, the slack above, so it is not the yardstick)
     params, opt = _build(ctx, 64 * 2**20)
     set_placed_random_grads(ctx, params, SPECS, 100)
     opt.step()
     set_placed_random_grads(ctx, params, SPECS, 101)
     generous = measure_cpu_step(opt.step, 0)
-    assert generous.transient_bytes > memory.transient_bytes, (generous, memory)
+    assert opt.last_step_stats.workspace_peak_bytes > BUDGET, opt.last_step_stats
+    assert generous.transient_bytes > estimate, (generous, estimate)
 
 
 def tight_budget_bitwise_and_minimum_bytes(ctx: Context) -> None:
