@@ -94,6 +94,7 @@ INJECTIONS = [
     # (id, index of the chunk that fails)
     ("orthogonalize", 0),  # Newton–Schulz of the two-segment batch
     ("weight_update-second-segment", 0),  # after the first segment's params were updated
+    ("weight_updates-batch", 0),  # the batch's update in _foreach_ passes, before it writes
     ("momentum_update-second-segment", 0),  # after the first segment's momentum was updated
     ("adamw-after-first-param", 2),
     ("adamw-before-any-param", 2),
@@ -108,8 +109,13 @@ def _inject(kind: str, opt: Muon, monkeypatch: pytest.MonkeyPatch) -> Callable[[
             phases_module.StepContext, "orthogonalize", lambda ctx, *args: fail(ctx, *args)
         )
     elif kind == "weight_update-second-segment":
+        # segment by segment (as for bf16 parameters): the batch path stands aside
+        monkeypatch.setattr(phases_module, "_update_all_at_once", lambda ctx, run: False)
         fail = _FailOnce(phases_module.weight_update_, nth=2)
         monkeypatch.setattr(phases_module, "weight_update_", fail)
+    elif kind == "weight_updates-batch":
+        fail = _FailOnce(phases_module.weight_updates_)
+        monkeypatch.setattr(phases_module, "weight_updates_", fail)
     elif kind == "momentum_update-second-segment":
         fail = _FailOnce(phases_module.momentum_update_, nth=2)
         monkeypatch.setattr(phases_module, "momentum_update_", fail)

@@ -7,12 +7,22 @@ still equal the single-process update bitwise.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 from torch import Tensor
 
-__all__ = ["ADJUST_LR_CHOICES", "direction", "lr_scale", "momentum_update_", "weight_update_"]
+from shardmuon.ops.fused_update import fused_update_available, update_into
+
+__all__ = [
+    "ADJUST_LR_CHOICES",
+    "direction",
+    "lr_scale",
+    "momentum_update_",
+    "weight_update_",
+    "weight_updates_",
+]
 
 ADJUST_LR_CHOICES = ("rms_norm", "spectral_norm", "keller_muon", None)
 
@@ -76,10 +86,25 @@ def weight_update_(
 
     Everything that allocates (the fp32 steps, a bf16 parameter's fp32 copy) happens before
     the parameter is written, so an out-of-memory leaves it unchanged and a retry updates it
-    once.
+    once. On CUDA (with Triton) an fp32 parameter whose ranges cover its rows is updated by
+    one kernel per range with the same roundings (``ops/fused_update.py``).
     """
+    if param.dtype == torch.float32 and fused_update_available(param.device):
+        ranges = [(start, end, scale) for start, end, scale in row_scales if end > start]
+        covered = [(start, end) for start, end, _ in sorted(ranges)]
+        rows = param.size(-2)
+        if (
+            covered
+            and covered[0][0] == 0
+            and covered[-1][1] == rows
+            and all(a[1] == b[0] for a, b in itertools.pairwise(covered))
+        ):
+            decay = 1.0 - lr * weight_decay if weight_decay != 0.0 else 1.0
+            for start, end, scale in ranges:
+                update_into(param[..., start:end, :], ortho[..., start:end, :], -lr * scale, decay)
+            return
     steps = [
-        (start, end, ortho[..., start:end, :].to(torch.float32).mul_(-lr * scale))
+        (start, end, _scaled_fp32(ortho[..., start:end, :], -lr * scale))
         for start, end, scale in row_scales
         if end > start
     ]
@@ -95,3 +120,47 @@ def weight_update_(
             # The decay rounded to the param's dtype first, as before: same bits.
             wide[k].copy_(rows)
             rows.copy_(wide[k].add_(step))
+
+
+def _scaled_fp32(results: Tensor, factor: float) -> Tensor:
+    """``fl32(results) * factor`` in a new fp32 tensor (an fp32 ``results`` is not written:
+    ``.to`` would return it and the multiply would land in the caller's buffer)."""
+    if results.dtype == torch.float32:
+        return results * factor
+    return results.to(torch.float32).mul_(factor)
+
+
+def weight_updates_(
+    params: list[Tensor],
+    results: Tensor,
+    lrs: list[float],
+    weight_decays: list[float],
+    row_scales: list[list[tuple[int, int, float]]],
+) -> None:
+    """:func:`weight_update_` of several fp32 parameters at once, in ``_foreach_`` passes:
+    the same roundings per element (one multiply forms ``lr*scale*O`` in fp32, one multiply
+    decays, one add updates), so the same bits, in one cast and three launches of torch's
+    multi-tensor apply (per kernel's worth of tensors) instead of four kernels per parameter.
+
+    ``params[k]``: fp32 ``[B_k, rows, cols]`` views updated in place; ``results``: their
+    Newton–Schulz results stacked, ``[sum B_k, rows, cols]`` in any float dtype (read only).
+    The fp32 steps are allocated before any parameter is written.
+    """
+    wide = results.to(torch.float32, copy=True)
+    steps, targets, factors = [], [], []
+    offset = 0
+    for param, lr, ranges in zip(params, lrs, row_scales):
+        ortho = wide[offset : offset + param.size(0)]
+        offset += param.size(0)
+        for start, end, scale in ranges:
+            if end > start:
+                steps.append(ortho[..., start:end, :])
+                targets.append(param[..., start:end, :])
+                factors.append(-lr * scale)
+    if not steps:
+        return
+    torch._foreach_mul_(steps, factors)
+    decayed = [(p, 1.0 - lr * wd) for p, lr, wd in zip(params, lrs, weight_decays) if wd != 0.0]
+    if decayed:
+        torch._foreach_mul_([p for p, _ in decayed], [f for _, f in decayed])
+    torch._foreach_add_(targets, steps)

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardmuon.ops.fused_update import fused_update_available
 from shardmuon.ops.orthogonalizer import Orthogonalizer
 from shardmuon.ops.partitions import orthogonalize_blocks
-from shardmuon.ops.update import direction, momentum_update_, weight_update_
+from shardmuon.ops.update import direction, momentum_update_, weight_update_, weight_updates_
 from shardmuon.planning.batches import MuonBatch, Segment
 from shardmuon.planning.groups import ShardGroup
 from shardmuon.planning.placements import local_tensor
@@ -350,6 +351,10 @@ def finish(ctx: StepContext, run: BatchRun) -> None:
     if not run.results_ready:
         run.results = _results(ctx, run)
         run.results_ready = True
+    if run.finished == 0 and _update_all_at_once(ctx, run):
+        run.finished = len(run.segments)
+        run.results = None
+        return
     offset = sum(seg.count for seg in run.segments[: run.finished])
     for seg in run.segments[run.finished :]:
         p = plan.params[seg.param_index]
@@ -366,6 +371,30 @@ def finish(ctx: StepContext, run: BatchRun) -> None:
         offset += seg.count
         run.finished += 1
     run.results = None
+
+
+def _update_all_at_once(ctx: StepContext, run: BatchRun) -> bool:
+    """Every segment's decay and update in ``_foreach_`` passes (``weight_updates_``: the
+    per-segment bits, a few launches per batch instead of four per parameter), when every
+    parameter is fp32 and updated through a view. False (nothing done) otherwise."""
+    plan = ctx.plan
+    if fused_update_available(ctx.device):
+        return False  # one fused kernel per parameter (weight_update_) is fewer launches
+    params, lrs, decays, scales = [], [], [], []
+    for seg in run.segments:
+        p = plan.params[seg.param_index]
+        matrices, commit = ctx.writable(seg.param_index, p)
+        if matrices.dtype != torch.float32 or commit is not _nothing:
+            return False
+        hyper = ctx.hyperparams_of(seg.param_index)
+        params.append(matrices[seg.start : seg.stop])
+        lrs.append(hyper.lr)
+        decays.append(hyper.weight_decay)
+        scales.append(plan.row_scales[seg.param_index])
+    if len(params) < 2:
+        return False  # one parameter: the per-segment path is as short
+    weight_updates_(params, run.results, lrs, decays, scales)
+    return True
 
 
 def share_with_replicas(ctx: StepContext, run: BatchRun, results: Tensor | None) -> Tensor:

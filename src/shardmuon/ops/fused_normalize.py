@@ -1,0 +1,157 @@
+"""The accelerator normalisation's element-wise pass as one Triton kernel per call.
+
+:func:`shardmuon.ops.normalize.normalize_without_sync` divides ``X[B, m, n]`` by its
+per-matrix divisor in torch ops: a handful of ``[B]`` kernels for the power-of-two prescale
+and the divisor, then two kernels per 16 MiB slice (prescale, divide-and-cast) and the
+non-finite mask, about 18 launches for a batch of expert matrices. :func:`normalize_into`
+does all of it, given the fp64 norms, in one launch: each program reads its matrix's norm,
+derives the same prescale and divisor (integer exponent arithmetic, exact), divides a block
+of the matrix with IEEE round-to-nearest, rounds to the output dtype to nearest even and
+writes zeros where the divisor is not finite; the first block of each matrix writes its
+non-finite flag. The bits are those of the torch ops (tested under Triton's interpreter on
+a CPU, ``tests/ops/test_fused_normalize.py``).
+
+It is a ``torch.library`` custom op, ``shardmuon::normalize_into``: one call in a dispatch
+trace, a fake implementation for meta tensors (the launch count of ``bench step
+--kernels`` takes the accelerator path on the ``meta`` device), the Triton kernel on CUDA
+and the torch ops elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["fused_normalize_available", "normalize_into", "normalize_into_reference"]
+
+# Elements of one matrix per program: memory-bound, large enough to amortise the per-program
+# scalar work (the exponent arithmetic on the matrix's norm).
+_BLOCK = 2048
+# The output dtypes by the code the kernel branches on.
+_OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@functools.cache
+def _triton():
+    """``(triton, triton.language)`` or ``None`` where Triton does not import."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:
+        return None
+    return triton, tl
+
+
+def fused_normalize_available(device: torch.device) -> bool:
+    """Whether the accelerator normalisation runs :func:`normalize_into` on ``device``:
+    CUDA with Triton importable, and ``meta`` where Triton imports (so that a launch count on
+    meta tensors counts what CUDA would launch)."""
+    return device.type in ("cuda", "meta") and _triton() is not None
+
+
+@functools.cache
+def _kernel():
+    triton, tl = _triton()
+
+    @triton.jit
+    def normalize_kernel(
+        X, OUT, NORM, NONFINITE, eps, n, stride_b, stride_r, stride_c, numel,
+        IN_BF16: tl.constexpr, OUT_KIND: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(1)
+        block = tl.program_id(0)
+        norm = tl.load(NORM + b)  # fp64: no overflow or underflow for fp32 data
+        # frexp's exponent of a normal fp64 (zero, inf and NaN: 0), clamped so that the
+        # prescale 2^-e is a normal fp32: normalize's _power_of_two_below.
+        bits = norm.to(tl.int64, bitcast=True)
+        field = ((bits >> 52) & 0x7FF).to(tl.int32)
+        e = tl.where((field == 0) | (field == 0x7FF), 0, field - 1022)
+        e = tl.minimum(tl.maximum(e, -126), 126)
+        prescale = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        divisor = (norm * prescale.to(tl.float64)).to(tl.float32) + prescale * eps
+        nonfinite = (divisor - divisor) != 0.0  # inf - inf and NaN: NaN
+        if block == 0:
+            tl.store(NONFINITE + b, nonfinite.to(tl.int8))
+        i = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < numel
+        row = i // n
+        col = i - row * n
+        where = X + b * stride_b + row * stride_r + col * stride_c
+        if IN_BF16:
+            # bf16 widened by its bits (exact, subnormals included on every backend).
+            raw_in = tl.load(where, mask=inside, other=0).to(tl.uint16, bitcast=True)
+            x = (raw_in.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = tl.load(where, mask=inside, other=0.0).to(tl.float32)
+        q = tl.math.div_rn(x * prescale, divisor)
+        q = tl.where(nonfinite, 0.0, q)
+        target = OUT + b.to(tl.int64) * numel + i
+        if OUT_KIND == 1:
+            # bf16 rounded to nearest even by hand: the same bits on a GPU and in Triton's
+            # interpreter (whose own cast truncates). An overflowing quotient carries into
+            # inf as a cast would; a NaN (0 / 0: a zero matrix with eps = 0) is written as
+            # the quiet NaN, whose payload the carry would otherwise wreck.
+            raw = q.to(tl.uint32, bitcast=True)
+            rounded = (raw + 0x7FFF + ((raw >> 16) & 1)) >> 16
+            rounded = tl.where(q != q, 0x7FC0, rounded)
+            tl.store(target, rounded.to(tl.uint16).to(tl.int16, bitcast=True), mask=inside)
+        elif OUT_KIND == 2:
+            tl.store(target, q.to(tl.float16), mask=inside)
+        else:
+            tl.store(target, q, mask=inside)
+
+    return normalize_kernel
+
+
+def launch(X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: Tensor) -> None:
+    """The Triton kernel on ``X[B, m, n]`` (fp32, bf16 or fp16, any strides), ``norm`` its
+    ``[B]`` fp64 Frobenius norms, ``out`` a contiguous ``[B, m, n]`` (fp32, bf16 or fp16;
+    ``X`` itself when ``X`` is contiguous), ``nonfinite`` a ``[B]`` bool. Runs wherever the
+    tensors live (CUDA; a CPU under ``TRITON_INTERPRET=1``)."""
+    batch, rows, cols = X.shape
+    numel = rows * cols
+    if batch == 0 or numel == 0:
+        nonfinite.zero_()
+        return
+    target = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    source = X.view(torch.int16) if X.dtype == torch.bfloat16 else X
+    grid = (math.ceil(numel / _BLOCK), batch)
+    _kernel()[grid](
+        source, target, norm, nonfinite.view(torch.int8), float(eps), cols, *X.stride(),
+        numel, IN_BF16=X.dtype == torch.bfloat16, OUT_KIND=_OUT_KINDS[out.dtype], BLOCK=_BLOCK,
+    )  # fmt: skip
+
+
+def normalize_into_reference(
+    X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: Tensor
+) -> None:
+    """:func:`normalize_into` in torch ops (its meaning, and where Triton is not used)."""
+    from shardmuon.ops.normalize import _power_of_two_below
+
+    norm64 = norm.reshape(-1, 1, 1)
+    prescale = _power_of_two_below(norm64)
+    divisor = (norm64 * prescale).to(torch.float32).add_(prescale * eps)
+    bad = ~torch.isfinite(divisor)
+    torch.div(X * prescale, divisor, out=out)
+    out.masked_fill_(bad, 0.0)
+    nonfinite.copy_(bad.flatten())
+
+
+@torch.library.custom_op("shardmuon::normalize_into", mutates_args=("out", "nonfinite"))
+def normalize_into(X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: Tensor) -> None:
+    """``out = X * p / (||X|| p + p eps)`` per matrix of ``X[B, m, n]`` with ``p`` the power
+    of two that brings the fp64 ``norm`` into ``[0.5, 1)``, in ``out``'s dtype (rounded to
+    nearest even), zero where that divisor is not finite; ``nonfinite[B]`` flags those
+    matrices. ``norm``: fp64 ``[B]``. One Triton kernel on CUDA."""
+    if X.device.type == "cuda" and _triton() is not None:
+        launch(X, norm, eps, out, nonfinite)
+    else:
+        normalize_into_reference(X, norm, eps, out, nonfinite)
+
+
+@normalize_into.register_fake
+def _normalize_into_fake(X, norm, eps, out, nonfinite) -> None:
+    return None
