@@ -147,7 +147,9 @@ def normalize_into(X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: 
     nearest even), zero where that divisor is not finite; ``nonfinite[B]`` flags those
     matrices. ``norm``: fp64 ``[B]``. One Triton kernel on CUDA."""
     if X.device.type == "cuda" and _triton() is not None:
-        launch(X, norm, eps, out, nonfinite)
+        # Triton launches on the current device (and its current stream): the tensors' one.
+        with torch.cuda.device(X.device):
+            launch(X, norm, eps, out, nonfinite)
     else:
         normalize_into_reference(X, norm, eps, out, nonfinite)
 

@@ -95,7 +95,9 @@ def update_into(P: Tensor, R: Tensor, step_factor: float, decay: float) -> None:
     (``step_factor = -lr*scale``) from its Newton–Schulz result ``R``. One Triton kernel on
     CUDA."""
     if P.device.type == "cuda" and _triton() is not None:
-        launch(P, R, step_factor, decay)
+        # Triton launches on the current device (and its current stream): the tensors' one.
+        with torch.cuda.device(P.device):
+            launch(P, R, step_factor, decay)
     else:
         update_into_reference(P, R, step_factor, decay)
 
