@@ -169,6 +169,13 @@ def check_group_settings(index: int, group: dict) -> None:
             "group's keys would silently not change; pass them to Muon(...) (torchtitan's "
             "container: optimizer_factory_kwargs_by_name)"
         )
+    torch_names = sorted({"betas", "eps"} & set(group))
+    if torch_names:
+        raise ValueError(
+            f"{where} sets {', '.join(map(repr, torch_names))} (torch.optim's names), which "
+            "shardmuon's groups do not read: it would silently step with beta1/beta2/epsilon; "
+            "use beta1 and beta2 for betas, epsilon for eps (dion's names)"
+        )
     if group.get("cautious_wd"):
         raise ValueError(
             f"{where} has cautious_wd=True (microsoft/dion's cautious weight decay), which "

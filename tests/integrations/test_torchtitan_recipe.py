@@ -21,6 +21,7 @@ from shardmuon.integrations.torchtitan import (
     ADAMW_PATTERN,
     MuonOptimizers,
     muon_param_groups,
+    with_muon,
 )
 
 REGISTRY = textwrap.dedent(
@@ -54,9 +55,10 @@ def test_a_registry_config_builds_muon_as_the_trainer_does(registry_config) -> N
     config = registry_config
     assert isinstance(config.optimizer, MuonOptimizers.Config)
     adamw, muon = (g.optimizer_kwargs for g in config.optimizer.param_groups)
-    # llama3_debugmodel's own AdamW: lr 8e-4, betas, eps kept; no decay on AdamW's group.
-    assert adamw == {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0,
-                     "algorithm": "adamw"}  # fmt: skip
+    # llama3_debugmodel's own AdamW: lr 8e-4, betas, eps kept (in shardmuon's names); no
+    # decay on AdamW's group.
+    assert adamw == {"lr": 8e-4, "beta1": 0.9, "beta2": 0.95, "epsilon": 1e-8,
+                     "weight_decay": 0.0, "algorithm": "adamw"}  # fmt: skip
     assert muon == {"lr": 0.03, "weight_decay": 0.05, "algorithm": "muon"}
 
     spec = config.model_spec
@@ -103,7 +105,8 @@ def test_the_pattern_routes_torchtitan_names() -> None:
         "tok_embeddings.weight", "lm_head.weight", "output.weight", "norm.weight",
         "layers.3.attention_norm.weight", "layers.3.attention.q_norm.weight",
         "layers.0._checkpoint_wrapped_module.ffn_norm.weight", "_orig_mod.lm_head.weight",
-        "layers.1.attention.wqkv.bias",
+        "layers.1.attention.wqkv.bias", "layers.0.attention.sinks",
+        "layers.0.moe.experts.mlp1_bias_EG", "layers.0.moe.experts.mlp2_bias_ED",
     ]  # fmt: skip
     to_muon = [
         "layers.0.attention.qkv_linear.wqkv.weight", "layers.0.attention.wo.weight",
@@ -119,3 +122,34 @@ def test_the_pattern_routes_torchtitan_names() -> None:
         (ADAMW_PATTERN, "adamw"),
         (".*", "muon"),
     ]
+
+
+def test_the_adamw_settings_carry_over_in_shardmuons_names_and_survive_a_second_call() -> None:
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = llama3_debugmodel()
+    (group,) = config.optimizer.param_groups
+    group.optimizer_kwargs.update(lr=5e-4, betas=(0.5, 0.6), eps=1e-2)
+    with_muon(config, lr=0.03)
+    adamw = config.optimizer.param_groups[0].optimizer_kwargs
+    want = {"lr": 5e-4, "beta1": 0.5, "beta2": 0.6, "epsilon": 1e-2}
+    assert {k: adamw[k] for k in want} == want and "betas" not in adamw
+    with_muon(config, lr=0.01)  # a registry function built on another Muon one
+    adamw = config.optimizer.param_groups[0].optimizer_kwargs
+    assert {k: adamw[k] for k in want} == want
+    assert config.optimizer.param_groups[1].optimizer_kwargs["lr"] == 0.01
+
+
+def test_overlap_hooks_each_model_part_when_the_trainer_builds_the_optimizers(
+    monkeypatch,
+) -> None:
+    hooked = []
+    monkeypatch.setattr(Muon, "overlap_with", lambda self, model: hooked.append(model))
+    parts = [torch.nn.Sequential(torch.nn.Linear(8, 8)), torch.nn.Sequential(torch.nn.Linear(8, 4))]
+    config = MuonOptimizers.Config(
+        param_groups=muon_param_groups(muon={"lr": 0.02}, adamw={"lr": 1e-3}),
+        optimizer_factory_kwargs_by_name={"shardmuon": {"overlap": "forward"}},
+    )
+    optimizers = config.build(model_parts=parts)
+    assert [o.overlap for o in optimizers.optimizers] == ["forward", "forward"]
+    assert hooked == parts

@@ -275,13 +275,35 @@ def test_an_optimizer_wide_setting_in_a_group_is_refused_not_ignored(setting):
     """torchtitan's container puts ``optimizer_kwargs`` into the groups: an optimizer-wide
     setting there would do nothing; refused at construction and, set later, at the step."""
     name, value = setting
+    _refused_when_made_and_when_set_later(
+        {name: value}, rf"param group 0 sets '{name}': optimizer-wide", "pass them to Muon"
+    )
+
+
+def _refused_when_made_and_when_set_later(keys: dict, at_construction: str, at_step: str):
+    """A group with ``keys`` raises ``at_construction``; the keys set on a made optimizer's
+    group raise ``at_step`` at the step, before any parameter changes."""
     p = torch.nn.Parameter(torch.randn(4, 4))
-    with pytest.raises(ValueError, match=rf"param group 0 sets '{name}': optimizer-wide"):
-        Muon([{"params": [p], name: value}])
-    opt = Muon([p])
-    opt.param_groups[0][name] = value
+    algorithm = keys.pop("algorithm", "muon")
+    with pytest.raises(ValueError, match=at_construction):
+        Muon([{"params": [p], "algorithm": algorithm, **keys}])
+    opt = Muon([{"params": [p], "algorithm": algorithm}])
+    opt.param_groups[0].update(keys)
     p.grad = torch.ones_like(p)
     before = p.detach().clone()
-    with pytest.raises(ValueError, match="pass them to Muon"):
+    with pytest.raises(ValueError, match=at_step):
         opt.step()
     assert torch.equal(p, before)
+
+
+@pytest.mark.parametrize("key", ["betas", "eps"])
+@pytest.mark.parametrize("algorithm", ["adamw", "muon"])
+def test_torch_names_of_adamw_settings_in_a_group_are_refused_not_ignored(key, algorithm):
+    """A group with torch.optim's ``betas``/``eps`` would step with beta1/beta2/epsilon
+    silently (torchtitan's AdamW configs carry them): refused, naming dion's keys."""
+    value = (0.5, 0.6) if key == "betas" else 1e-2
+    _refused_when_made_and_when_set_later(
+        {"algorithm": algorithm, key: value},
+        rf"param group 0 sets '{key}' \(torch.optim's names\)",
+        "beta1 and beta2 for betas, epsilon for eps",
+    )

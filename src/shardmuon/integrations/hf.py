@@ -86,4 +86,7 @@ class MuonFactory:
             **kwargs,
         )
         optimizer.routing = routed
+        if optimizer.overlap is not None:
+            # The Trainer calls no overlap_with: its forward must wait for each unit's update.
+            optimizer.overlap_with(model)
         return optimizer

@@ -42,8 +42,11 @@ FACTORY_NAME = "shardmuon"
 # torchtitan's names for what Muon should not take (searched, so ``_orig_mod.`` and
 # activation-checkpoint wrappers in a name do not matter): the token embedding, the output
 # head (``lm_head``, ``output`` in older torchtitan), norms (``norm``, ``attention_norm``,
-# ``q_norm``...) and biases.
-ADAMW_PATTERN = r"(?:^|\.)(?:tok_embeddings|lm_head|output)\.|norm\.weight$|\.bias$"
+# ``q_norm``...), biases (``.bias``, GPT-OSS's expert stacks ``mlp1_bias_EG``) and GPT-OSS's
+# attention ``sinks``.
+ADAMW_PATTERN = (
+    r"(?:^|\.)(?:tok_embeddings|lm_head|output)\.|norm\.weight$|\.bias$|_bias_[A-Z]+$|\.sinks$"
+)
 
 
 class MuonOptimizers(OptimizersContainer):
@@ -58,6 +61,17 @@ class MuonOptimizers(OptimizersContainer):
         # Muon's AdamW groups run their own foreach passes; torchtitan's default ("fused")
         # would put ``fused=True`` into every group, which Muon does not read.
         implementation: str = "for-loop"
+
+    def __init__(self, config: Any, *, model_parts: list) -> None:
+        super().__init__(config, model_parts=model_parts)
+        # overlap="forward" needs the model's forward to wait for the update of each unit
+        # (torchtitan's loop calls no overlap_with): hook each Muon to the parts it steps.
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, Muon) and optimizer.overlap is not None:
+                mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+                for part in model_parts:
+                    if any(id(p) in mine for p in part.parameters()):
+                        optimizer.overlap_with(part)
 
     @staticmethod
     def _resolve_optimizer_factory(name: str) -> Any:
@@ -90,14 +104,28 @@ def muon_param_groups(
 
 
 def _configured_adamw(config: Any) -> dict[str, Any]:
-    """The AdamW keywords of ``config``'s optimizer when torchtitan's registry gave it one
-    AdamW for everything (``default_adamw``): lr, betas, eps and weight decay carry over."""
+    """The AdamW settings of ``config``'s optimizer, in shardmuon's names: lr, betas
+    (``beta1``, ``beta2``) and eps (``epsilon``) of torchtitan's last (catch-all) AdamW group,
+    or of the AdamW group of a config :func:`with_muon` already converted."""
     groups = getattr(getattr(config, "optimizer", None), "param_groups", None) or []
-    adamw = [g for g in groups if g.optimizer_name in ("AdamW", "Adam")]
+    ours = [
+        g.optimizer_kwargs
+        for g in groups
+        if g.optimizer_name == FACTORY_NAME and g.optimizer_kwargs.get("algorithm") == "adamw"
+    ]
+    if ours:
+        return {k: ours[-1][k] for k in ("lr", "beta1", "beta2", "epsilon") if k in ours[-1]}
+    adamw = [g.optimizer_kwargs for g in groups if g.optimizer_name in ("AdamW", "Adam")]
     if not adamw:
         return {}
-    kwargs = adamw[-1].optimizer_kwargs  # the catch-all group is the last one
-    return {k: kwargs[k] for k in ("lr", "betas", "eps") if k in kwargs}
+    kwargs, settings = adamw[-1], {}
+    if "lr" in kwargs:
+        settings["lr"] = kwargs["lr"]
+    if "betas" in kwargs:
+        settings["beta1"], settings["beta2"] = (float(b) for b in kwargs["betas"])
+    if "eps" in kwargs:
+        settings["epsilon"] = kwargs["eps"]
+    return settings
 
 
 def with_muon(
@@ -113,7 +141,10 @@ def with_muon(
     """``config`` (a torchtitan ``Trainer.Config``) with its optimizer replaced by
     :class:`MuonOptimizers`: matrices and expert stacks on Muon at ``lr``/``weight_decay``;
     embeddings, head, norms and biases on AdamW at ``adamw_lr`` (default: the lr, betas
-    and eps of the AdamW ``config`` had, else 3e-4) with ``adamw_weight_decay``.
+    and eps of the AdamW ``config`` had, as ``beta1``/``beta2``/``epsilon``, else 3e-4) with
+    ``adamw_weight_decay``. Applied to a config it already converted, it keeps that
+    config's AdamW settings. ``overlap="forward"`` hooks each model part when the trainer
+    builds the optimizers.
     ``muon_settings`` are :class:`~shardmuon.Muon`'s optimizer-wide keywords
     (``adjust_lr``, ``max_in_flight``, ``overlap``...). The learning-rate scheduler,
     checkpointing and everything else in ``config`` stay as they were."""

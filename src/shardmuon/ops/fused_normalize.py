@@ -129,10 +129,11 @@ def normalize_into_reference(
     X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: Tensor
 ) -> None:
     """:func:`normalize_into` in torch ops (its meaning, and where Triton is not used)."""
-    from shardmuon.ops.normalize import _power_of_two_below
-
     norm64 = norm.reshape(-1, 1, 1)
-    prescale = _power_of_two_below(norm64)
+    # normalize's power of two below the norm (frexp's exponent, clamped to keep 2^-e a
+    # normal fp32), written out: normalize imports this module.
+    exponent = torch.frexp(norm64).exponent.clamp_(-126, 126)
+    prescale = torch.ldexp(torch.ones_like(norm64, dtype=torch.float32), -exponent)
     divisor = (norm64 * prescale).to(torch.float32).add_(prescale * eps)
     bad = ~torch.isfinite(divisor)
     torch.div(X * prescale, divisor, out=out)
