@@ -22,7 +22,9 @@ and ``torchrun ... -m torchtitan.train --module my_configs --config qwen3_30b_a3
 Parameters are routed by their names in torchtitan's models (:data:`ADAMW_PATTERN`, first
 match wins as torchtitan's ``ParamGroupConfig``s do): token embeddings, the output head,
 norms and biases to AdamW; every other parameter (attention and MLP matrices, the router's
-gate, the expert stacks ``w1_EFD``/``w2_EDF``/``w3_EFD``) to Muon.
+gate, the expert stacks ``w1_EFD``/``w2_EDF``/``w3_EFD``) to Muon. GPT-OSS's attention
+sinks and expert bias stacks (``mlp1_bias_EG``) go to AdamW here; ``build_param_groups``
+keeps prime-rl's routing of 2-D bias stacks to Muon.
 """
 
 from __future__ import annotations
