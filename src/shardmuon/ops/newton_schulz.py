@@ -256,7 +256,11 @@ def aol_rescale_(X: Tensor, A: Tensor, eps_floor: Tensor | None = None) -> None:
     ``~1e-26``) and ``D`` losing its bound.
     """
     wide = torch.float64 if A.dtype == torch.float64 else torch.float32
-    row_sums = A.abs().sum(dim=-1, dtype=wide)
+    # On a CPU, X and A are scaled through fp32 copies (below); A's copy also gives the row
+    # sums: summing bf16 with dtype=fp32 there converts first anyway, ~10x slower.
+    on_cpu = X.device.type == "cpu" and X.dtype != wide
+    A_wide = A.to(wide) if on_cpu else None
+    row_sums = A_wide.abs().sum(dim=-1) if on_cpu else A.abs().sum(dim=-1, dtype=wide)
     narrow = X.dtype == torch.float16
     if narrow:
         # fp16's exponent range: a small row's Gram entries underflow to 0 (and its scale
@@ -276,8 +280,15 @@ def aol_rescale_(X: Tensor, A: Tensor, eps_floor: Tensor | None = None) -> None:
         d.mul_(eps_floor.unsqueeze(-1))  # [..., m]: one small kernel
     # Both products in fp32, each rounded once: rounding d, or D A D's scales, to bf16
     # first costs 1.2-1.8x the error (A must stay the Gram matrix of the scaled X).
-    X.mul_(d.unsqueeze(-1))
-    A.mul_(d.unsqueeze(-1) * d.unsqueeze(-2))
+    if on_cpu:
+        # On a CPU a mixed-dtype in-place multiply runs ~8x slower than widening, scaling
+        # in place and writing back (the same fp32 temporary: the mixed one makes it too).
+        # D A D as (a d_i) d_j here, a (d_i d_j) below: both fp32, rounded once into A.
+        X.copy_(X.to(wide).mul_(d.unsqueeze(-1)))
+        A.copy_(A_wide.mul_(d.unsqueeze(-1)).mul_(d.unsqueeze(-2)))
+    else:
+        X.mul_(d.unsqueeze(-1))
+        A.mul_(d.unsqueeze(-1) * d.unsqueeze(-2))
     if narrow:
         A.diagonal(dim1=-2, dim2=-1).copy_(squares * d * d)
 
