@@ -127,3 +127,24 @@ def test_on_cuda_the_kernel_gives_the_torch_ops_bits() -> None:
         same_nan = out.isnan() & want.isnan()
         assert torch.equal(out.masked_fill(same_nan, 0), want.masked_fill(same_nan, 0))
         assert torch.equal(flags, want_flags)
+
+
+def test_a_kernel_that_fails_falls_back_to_the_torch_ops_once_and_for_all(monkeypatch) -> None:
+    """A GPU Triton cannot compile for: a warning, the torch ops (the same bits), and no
+    further attempt in the process."""
+    pytest.importorskip("triton")
+    from shardmuon.ops import fused_normalize
+
+    monkeypatch.setattr(fused_normalize, "_DISABLED", [])
+    ran = []
+
+    def failing() -> None:
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    with pytest.warns(RuntimeWarning, match="the torch ops run instead"):
+        fused_normalize.run_or_fall_back(failing, lambda: ran.append("reference"))
+    assert ran == ["reference"]
+    assert not fused_normalize.kernels_enabled()
+    assert not fused_normalize.fused_normalize_available(torch.device("meta"))
+    fused_normalize.run_or_fall_back(lambda: ran.append("kernel"), lambda: ran.append("ref"))
+    assert ran == ["reference", "ref"]

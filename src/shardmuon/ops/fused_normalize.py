@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -45,11 +47,39 @@ def _triton():
     return triton, tl
 
 
+# Why the kernels were turned off in this process, if one failed to compile or launch.
+_DISABLED: list[str] = []
+
+
+def kernels_enabled() -> bool:
+    """Triton imports and no kernel has failed to compile or launch in this process."""
+    return _triton() is not None and not _DISABLED
+
+
+def run_or_fall_back(kernel: Callable[[], None], reference: Callable[[], None]) -> None:
+    """``kernel()``; if it fails (a GPU or driver Triton cannot compile for), a warning,
+    the kernels off for the rest of the process, and ``reference()`` (the torch ops: the
+    same bits). A kernel fails before it writes anything (compilation, launch)."""
+    if kernels_enabled():
+        try:
+            kernel()
+            return
+        except Exception as err:
+            _DISABLED.append(repr(err))
+            warnings.warn(
+                f"shardmuon's Triton kernels failed ({err!r}); the torch ops run instead "
+                "(same results, more kernel launches)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    reference()
+
+
 def fused_normalize_available(device: torch.device) -> bool:
     """Whether the accelerator normalisation runs :func:`normalize_into` on ``device``:
     CUDA with Triton importable, and ``meta`` where Triton imports (so that a launch count on
     meta tensors counts what CUDA would launch)."""
-    return device.type in ("cuda", "meta") and _triton() is not None
+    return device.type in ("cuda", "meta") and kernels_enabled()
 
 
 @functools.cache
@@ -147,10 +177,13 @@ def normalize_into(X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: 
     of two that brings the fp64 ``norm`` into ``[0.5, 1)``, in ``out``'s dtype (rounded to
     nearest even), zero where that divisor is not finite; ``nonfinite[B]`` flags those
     matrices. ``norm``: fp64 ``[B]``. One Triton kernel on CUDA."""
-    if X.device.type == "cuda" and _triton() is not None:
+    if X.device.type == "cuda":
         # Triton launches on the current device (and its current stream): the tensors' one.
         with torch.cuda.device(X.device):
-            launch(X, norm, eps, out, nonfinite)
+            run_or_fall_back(
+                lambda: launch(X, norm, eps, out, nonfinite),
+                lambda: normalize_into_reference(X, norm, eps, out, nonfinite),
+            )
     else:
         normalize_into_reference(X, norm, eps, out, nonfinite)
 

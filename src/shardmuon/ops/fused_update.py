@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from shardmuon.ops.fused_normalize import _triton
+from shardmuon.ops.fused_normalize import _triton, kernels_enabled, run_or_fall_back
 
 __all__ = ["fused_update_available", "update_into", "update_into_reference"]
 
@@ -31,7 +31,7 @@ _BLOCK = 2048
 def fused_update_available(device: torch.device) -> bool:
     """Whether the update runs :func:`update_into` on ``device`` (CUDA, or ``meta`` for a
     launch count, where Triton imports)."""
-    return device.type in ("cuda", "meta") and _triton() is not None
+    return device.type in ("cuda", "meta") and kernels_enabled()
 
 
 @functools.cache
@@ -94,10 +94,13 @@ def update_into(P: Tensor, R: Tensor, step_factor: float, decay: float) -> None:
     ``[B, r, c]`` parameter's decay (``decay = 1 - lr*wd``) and Muon update
     (``step_factor = -lr*scale``) from its Newton–Schulz result ``R``. One Triton kernel on
     CUDA."""
-    if P.device.type == "cuda" and _triton() is not None:
+    if P.device.type == "cuda":
         # Triton launches on the current device (and its current stream): the tensors' one.
         with torch.cuda.device(P.device):
-            launch(P, R, step_factor, decay)
+            run_or_fall_back(
+                lambda: launch(P, R, step_factor, decay),
+                lambda: update_into_reference(P, R, step_factor, decay),
+            )
     else:
         update_into_reference(P, R, step_factor, decay)
 
