@@ -12,6 +12,10 @@
 #   GPU_CHECK_MODEL=tiny-moe GPU_CHECK_LAYERS=2 GPU_CHECK_NS_SHAPES=4x64x128 \
 #     GPU_CHECK_STEPS=2 OUT=/tmp/gpu-dry bash scripts/gpu-check.sh
 # ONLY=name1,name2 runs only those steps (a rerun of what failed).
+# dion itself (samsja/dion, prime-rl's pin 3c4bce5) for the head-to-head: a source tree given
+# as GPU_CHECK_DION_SRC (a folder holding dion/, e.g. `git archive 3c4bce5 dion | tar -x -C
+# .dion-src` from a clone made where the network is, named in the run's carry); never
+# vendored into the repository.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -23,6 +27,7 @@ BIG_LAYERS=${GPU_CHECK_BIG_LAYERS:-2}  # 4 layers did not build within the cap o
 STEP_IMPLS=${GPU_CHECK_STEP_IMPLS:-shardmuon,shardmuon-gram,shardmuon-unfolded,adamw}
 NS_SHAPES=${GPU_CHECK_NS_SHAPES:-}
 ONLY=${ONLY:-}
+DION_SRC=${GPU_CHECK_DION_SRC:-}
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 PY=python3
 # The device's image has no pydantic (train's config needs it): carry it as wheels in .whl
@@ -78,6 +83,14 @@ STEP=(bench step --nproc 1 --layout none --model "$MODEL" --layers "$LAYERS" --s
 # One-GPU optimizer step on real-model shapes, standard vs Gram engine vs AdamW.
 step step 60 $B "${STEP[@]}" --impl "$STEP_IMPLS" --order abba \
   --json "$RES/step.json"
+# The head-to-head on the same GPU, model and grads: shardmuon, dion's Muon (from
+# DION_SRC) and torch.optim.Muon (its 2-D matrices), interleaved.
+if [[ -n "$DION_SRC" && -d "$DION_SRC/dion" ]]; then
+  step step-dion 90 env PYTHONPATH="$PYTHONPATH:$DION_SRC" $B "${STEP[@]}" \
+    --impl shardmuon,dion,torch-muon --order abba --json "$RES/step-dion.json"
+else
+  echo "=== step-dion skipped: GPU_CHECK_DION_SRC is not a folder holding dion/"
+fi
 # AOL: one Newton-Schulz iteration fewer; and the measured "auto" (calibrated per shape
 # class on this GPU).
 step step-aol 40 $B "${STEP[@]}" --impl shardmuon --ns-preconditioner aol --json "$RES/step-aol.json"

@@ -255,10 +255,22 @@ def aol_rescale_(X: Tensor, A: Tensor, eps_floor: Tensor | None = None) -> None:
     matrix of ``G / eps`` underflowing (fp16 below ``||G|| ~ 1e-10``, bf16 and fp32 below
     ``~1e-26``) and ``D`` losing its bound.
     """
+    d = aol_row_scales_(X, A, eps_floor)
+    if X.device.type == "cpu" and X.dtype != d.dtype:
+        X.copy_(X.to(d.dtype).mul_(d.unsqueeze(-1)))  # see aol_row_scales_: the CPU route
+    else:
+        X.mul_(d.unsqueeze(-1))
+
+
+def aol_row_scales_(X: Tensor, A: Tensor, eps_floor: Tensor | None = None) -> Tensor:
+    """:func:`aol_rescale_`'s ``D`` and its Gram half: ``A <- D A D`` in place, ``X`` left as
+    it is; returns the fp32 (fp64 for fp64) row scales ``d`` (``X.shape[:-1]``), for a caller
+    that applies ``D`` to ``X`` itself (:func:`iterate_folded` folds it into the first
+    iteration's ``m x m`` factor instead of a pass over ``X``)."""
     wide = torch.float64 if A.dtype == torch.float64 else torch.float32
-    # On a CPU, X and A are scaled through fp32 copies (below); A's copy also gives the row
-    # sums: summing bf16 with dtype=fp32 there converts first anyway, ~10x slower.
-    on_cpu = X.device.type == "cpu" and X.dtype != wide
+    # On a CPU, A is scaled through an fp32 copy (below), which also gives the row sums:
+    # summing bf16 with dtype=fp32 there converts first anyway, ~10x slower.
+    on_cpu = A.device.type == "cpu" and A.dtype != wide
     A_wide = A.to(wide) if on_cpu else None
     row_sums = A_wide.abs().sum(dim=-1) if on_cpu else A.abs().sum(dim=-1, dtype=wide)
     narrow = X.dtype == torch.float16
@@ -278,19 +290,29 @@ def aol_rescale_(X: Tensor, A: Tensor, eps_floor: Tensor | None = None) -> None:
     d = row_sums.clamp_min_(torch.finfo(wide).tiny).rsqrt_()
     if eps_floor is not None:
         d.mul_(eps_floor.unsqueeze(-1))  # [..., m]: one small kernel
-    # Both products in fp32, each rounded once: rounding d, or D A D's scales, to bf16
-    # first costs 1.2-1.8x the error (A must stay the Gram matrix of the scaled X).
+    # In fp32, rounded once: rounding d, or D A D's scales, to bf16 first costs 1.2-1.8x
+    # the error (A must stay the Gram matrix of the scaled X).
     if on_cpu:
         # On a CPU a mixed-dtype in-place multiply runs ~8x slower than widening, scaling
         # in place and writing back (the same fp32 temporary: the mixed one makes it too).
         # D A D as (a d_i) d_j here, a (d_i d_j) below: both fp32, rounded once into A.
-        X.copy_(X.to(wide).mul_(d.unsqueeze(-1)))
         A.copy_(A_wide.mul_(d.unsqueeze(-1)).mul_(d.unsqueeze(-2)))
     else:
-        X.mul_(d.unsqueeze(-1))
         A.mul_(d.unsqueeze(-1) * d.unsqueeze(-2))
     if narrow:
         A.diagonal(dim1=-2, dim2=-1).copy_(squares * d * d)
+    return d
+
+
+def _fold_row_scales_(B: Tensor, d: Tensor, a: float) -> None:
+    """``B <- (B + a I) D`` in place (``D = diag(d)`` scales the columns), in ``d``'s dtype and
+    rounded once: the first AOL iteration's ``a D X + B D X`` becomes one product with the
+    unscaled ``X``, an ``m x m`` pass instead of an ``m x n`` one."""
+    wide = B if B.dtype == d.dtype else B.to(d.dtype)
+    wide.diagonal(dim1=-2, dim2=-1).add_(a)
+    wide.mul_(d.unsqueeze(-2))
+    if wide is not B:
+        B.copy_(wide)
 
 
 def iterate_folded(
@@ -321,10 +343,19 @@ def iterate_folded(
     spare = torch.empty_like(X)
     for step, (a, b, c) in enumerate(coefficients):
         matmul(X, X.mT, out=A)
-        if step == 0 and preconditioner == "aol":
-            aol_rescale_(X, A, eps_floor)
-        matmul_add(A, A, A, beta=b, alpha=c, out=B)
-        matmul_add(X, B, X, beta=a, alpha=1.0, out=spare)
+        if step == 0 and preconditioner == "aol" and X.dtype != torch.float16:
+            # D folded into the first iteration: a D X + B D X = ((B + a I) D) X, an m x m
+            # pass instead of one over X. (fp16 scales X itself: (B + a I) D can leave fp16's
+            # range where a row of X is tiny and its d large.)
+            d = aol_row_scales_(X, A, eps_floor)
+            matmul_add(A, A, A, beta=b, alpha=c, out=B)
+            _fold_row_scales_(B, d, a)
+            matmul(B, X, out=spare)
+        else:
+            if step == 0 and preconditioner == "aol":
+                aol_rescale_(X, A, eps_floor)
+            matmul_add(A, A, A, beta=b, alpha=c, out=B)
+            matmul_add(X, B, X, beta=a, alpha=1.0, out=spare)
         X, spare = spare, X
     del A, B, spare
     return X.unsqueeze(0) if single else X
