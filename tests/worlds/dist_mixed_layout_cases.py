@@ -66,21 +66,32 @@ def random_param(meshes: list[DeviceMesh], rng: random.Random) -> Param:
     return Param(shape, placements, mesh, partitions)
 
 
-@case("random_mixed_layouts_step_or_are_refused_for_cause", (2, 3, 4))
-def _random(ctx: WorkerContext) -> None:
+def _random_trials(ctx: WorkerContext, trials: range) -> None:
+    """The ``trials`` of one stream of draws (the earlier ones drawn, not run)."""
     rng = random.Random(2800 + ctx.world_size)  # the same draws on every rank
     meshes = random_meshes(ctx.world_size, rng)
     problems = []
-    for trial in range(20):
+    for trial in range(trials.stop):
         params = [random_param(meshes, rng) for _ in range(rng.randint(3, 7))]
         kwargs = {
             "split_replicas": rng.random() < 0.5,
             "max_in_flight": rng.randint(1, 4),
             "workspace_bytes": rng.choice([1 << 26, rng.randint(200, 6000)]),
         }
-        label = f"trial {trial} {params} {kwargs}"
-        problems += check_layouts(label, params, seed=trial, **kwargs)
+        if trial in trials:
+            label = f"trial {trial} {params} {kwargs}"
+            problems += check_layouts(label, params, seed=trial, **kwargs)
     fail_on(problems)
+
+
+@case("random_mixed_layouts_step_or_are_refused_for_cause", (2, 3, 4))
+def _random(ctx: WorkerContext) -> None:
+    _random_trials(ctx, range(10))  # a sample; the next 10 under the exhaustive marker
+
+
+@case("more_random_mixed_layouts", (2, 3, 4))
+def _more_random(ctx: WorkerContext) -> None:
+    _random_trials(ctx, range(10, 20))
 
 
 def _expert_mix(mesh: DeviceMesh, rng: random.Random) -> list[Param]:
