@@ -366,6 +366,7 @@ def test_plan_plot_has_the_ratio_line_in_the_legend(tmp_path, saved_figures):
 # ------------------------------------------------------------------------------ train fsdp-tp
 
 
+@pytest.mark.exhaustive  # a 4-process training run (9 s) for the output's wording
 def test_train_fsdp_tp_prints_no_view_tensor_warning(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "shardmuon", "train", "--layout", "fsdp-tp", "--nproc", "4",

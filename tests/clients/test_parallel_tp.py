@@ -189,7 +189,7 @@ def test_forward_backward_equals_one_process(tmp_path):
 
 # ---------------------------------------------------------------------------- training
 
-STEPS, HALF = 6, 3
+STEPS, HALF = 4, 2
 BASE = TrainConfig(
     model="tiny-moe",
     num_layers=LAYERS,
@@ -307,6 +307,7 @@ def test_dion_does_not_apply_under_fsdp_tp():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # 4 processes, 10 s; the layout's step is tests/runtime/test_tp.py's
 def test_bench_step_fsdp_tp_2x2(tmp_path, capsys):
     out = tmp_path / "step.json"
     rc = main(

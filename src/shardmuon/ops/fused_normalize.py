@@ -91,7 +91,7 @@ def _kernel():
         X, OUT, NORM, NONFINITE, eps, n, stride_b, stride_r, stride_c, numel,
         IN_BF16: tl.constexpr, OUT_KIND: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(1)
+        b = tl.program_id(1).to(tl.int64)  # offsets past 2^31 elements
         block = tl.program_id(0)
         norm = tl.load(NORM + b)  # fp64: no overflow or underflow for fp32 data
         # frexp's exponent of a normal fp64 (zero, inf and NaN: 0), clamped so that the
@@ -118,7 +118,7 @@ def _kernel():
             x = tl.load(where, mask=inside, other=0.0).to(tl.float32)
         q = tl.math.div_rn(x * prescale, divisor)
         q = tl.where(nonfinite, 0.0, q)
-        target = OUT + b.to(tl.int64) * numel + i
+        target = OUT + b * numel + i
         if OUT_KIND == 1:
             # bf16 rounded to nearest even by hand: the same bits on a GPU and in Triton's
             # interpreter (whose own cast truncates). An overflowing quotient carries into
