@@ -41,7 +41,13 @@ def test_the_overlapped_run_has_the_sequential_losses(nproc):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "layout", "nproc"),
-    [("tiny-moe", "ep", 2), ("tiny-llama", "fsdp-tp", 4), ("tiny-moe", "fsdp", 4)],
+    [
+        ("tiny-moe", "ep", 2),
+        # 4-process runs (~11 s each): the overlap on these layouts is stepped bitwise in
+        # tests/runtime/test_overlap_distributed.py; the training runs under the exhaustive run
+        pytest.param("tiny-llama", "fsdp-tp", 4, marks=pytest.mark.exhaustive),
+        pytest.param("tiny-moe", "fsdp", 4, marks=pytest.mark.exhaustive),
+    ],
 )
 def test_expert_and_tensor_parallel_runs_overlap_with_the_same_losses(model, layout, nproc):
     """Expert parallelism (experts over the ranks) and FSDP x TP (a 2x2 mesh): the hooks
