@@ -152,6 +152,7 @@ def launch(X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: Tensor) 
     _kernel()[grid](
         source, target, norm, nonfinite.view(torch.int8), float(eps), cols, *X.stride(),
         numel, IN_BF16=X.dtype == torch.bfloat16, OUT_KIND=_OUT_KINDS[out.dtype], BLOCK=_BLOCK,
+        enable_fp_fusion=False,  # no FMA: each operation rounds as the torch op does
     )  # fmt: skip
 
 
