@@ -44,6 +44,15 @@ def test_the_batched_update_gives_the_per_segment_bits() -> None:
         assert torch.equal(results, kept)
         for got, expected in zip(params, want):
             assert torch.equal(got, expected)
+    # parameters whose ranges are all empty are still decayed
+    params = [torch.randn(2, 4, 3), torch.randn(1, 4, 3)]
+    before = [p.clone() for p in params]
+    want = [p.clone() for p in params]
+    for p, ranges in zip(want, [[], [(2, 2, 1.0)]]):
+        weight_update_(p, torch.zeros(p.shape), 0.02, 0.1, ranges)
+    weight_updates_(params, torch.zeros(3, 4, 3), [0.02, 0.02], [0.1, 0.1], [[], [(2, 2, 1.0)]])
+    assert all(torch.equal(a, b) for a, b in zip(params, want))
+    assert not any(torch.equal(a, b) for a, b in zip(params, before))  # decayed indeed
     # the test can tell: another lr changes the bits
     params, results, lrs, decays, scales = _batch(rng, gen)
     want = [p.clone() for p in params]

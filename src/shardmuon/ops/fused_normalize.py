@@ -101,8 +101,11 @@ def _kernel():
         e = tl.where((field == 0) | (field == 0x7FF), 0, field - 1022)
         e = tl.minimum(tl.maximum(e, -126), 126)
         prescale = ((127 - e) << 23).to(tl.float32, bitcast=True)
-        divisor = (norm * prescale.to(tl.float64)).to(tl.float32) + prescale * eps
-        nonfinite = (divisor - divisor) != 0.0  # inf - inf and NaN: NaN
+        scaled_norm = (norm * prescale.to(tl.float64)).to(tl.float32)
+        # Flagged from the norm, before eps: a finite matrix whose prescale * eps overflows
+        # is divided by inf (zeros of its signs), not flagged.
+        nonfinite = (scaled_norm - scaled_norm) != 0.0  # inf - inf and NaN: NaN
+        divisor = scaled_norm + prescale * eps
         if block == 0:
             tl.store(NONFINITE + b, nonfinite.to(tl.int8))
         i = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -165,8 +168,9 @@ def normalize_into_reference(
     # normal fp32), written out: normalize imports this module.
     exponent = torch.frexp(norm64).exponent.clamp_(-126, 126)
     prescale = torch.ldexp(torch.ones_like(norm64, dtype=torch.float32), -exponent)
-    divisor = (norm64 * prescale).to(torch.float32).add_(prescale * eps)
-    bad = ~torch.isfinite(divisor)
+    divisor = (norm64 * prescale).to(torch.float32)
+    bad = ~torch.isfinite(divisor)  # from the norm, before eps (normalize_without_sync's)
+    divisor.add_(prescale * eps)
     torch.div(X * prescale, divisor, out=out)
     out.masked_fill_(bad, 0.0)
     nonfinite.copy_(bad.flatten())

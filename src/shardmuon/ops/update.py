@@ -157,10 +157,11 @@ def weight_updates_(
                 steps.append(ortho[..., start:end, :])
                 targets.append(param[..., start:end, :])
                 factors.append(-lr * scale)
-    if not steps:
-        return
-    torch._foreach_mul_(steps, factors)
+    if steps:
+        torch._foreach_mul_(steps, factors)
+    # Every parameter is decayed, its rows in no range too (as weight_update_ does).
     decayed = [(p, 1.0 - lr * wd) for p, lr, wd in zip(params, lrs, weight_decays) if wd != 0.0]
     if decayed:
         torch._foreach_mul_([p for p, _ in decayed], [f for _, f in decayed])
-    torch._foreach_add_(targets, steps)
+    if steps:
+        torch._foreach_add_(targets, steps)
