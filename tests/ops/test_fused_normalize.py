@@ -8,12 +8,11 @@ one beside it."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 from shardmuon.ops.fused_normalize import normalize_into, normalize_into_reference
 from shardmuon.ops.normalize import normalize_without_sync
@@ -100,14 +99,8 @@ PROGRAM = textwrap.dedent(
 
 def test_the_triton_kernel_gives_the_torch_ops_bits_under_the_interpreter(tmp_path) -> None:
     pytest.importorskip("triton")
-    program = tmp_path / "interpret.py"
-    program.write_text(PROGRAM.format(tests=os.path.dirname(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(
-        [sys.executable, str(program)], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "checked 48" in done.stdout
+    stdout = run_interpreted(PROGRAM.format(tests=os.path.dirname(__file__)), tmp_path)
+    assert "checked 48" in stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -6,12 +6,11 @@ op's torch implementation is ``weight_update_``'s own sequence."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 from shardmuon.ops.fused_update import update_into, update_into_reference
 from shardmuon.ops.update import weight_update_
@@ -77,14 +76,8 @@ PROGRAM = textwrap.dedent(
 
 def test_the_triton_kernel_gives_weight_update_bits_under_the_interpreter(tmp_path) -> None:
     pytest.importorskip("triton")
-    program = tmp_path / "interpret.py"
-    program.write_text(PROGRAM.format(tests=os.path.dirname(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(
-        [sys.executable, str(program)], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "checked 36" in done.stdout
+    stdout = run_interpreted(PROGRAM.format(tests=os.path.dirname(__file__)), tmp_path)
+    assert "checked 36" in stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -100,3 +93,37 @@ def test_on_cuda_the_kernel_gives_the_torch_ops_bits() -> None:
             update_into_reference(want[..., start:end, :], R[..., start:end, :], -lr * scale, decay)
             launch(P[..., start:end, :], R[..., start:end, :], -lr * scale, decay)
         assert torch.equal(P, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_both_kernels_run_on_the_callers_stream_and_device() -> None:
+    """A side stream whose earlier work is delayed (``torch.cuda._sleep``) then writes the
+    inputs: the kernels launched on that stream read what it wrote, not what was there (a
+    launch on another stream or device would race the write), and give the torch ops' bits."""
+    pytest.importorskip("triton")
+    from shardmuon.ops.fused_normalize import normalize_into, normalize_into_reference
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)  # not the current one if 2+
+    X = torch.zeros(4, 64, 96, device=device, dtype=torch.bfloat16)
+    P = torch.zeros(4, 64, 96, device=device)
+    fresh_x = torch.randn(4, 64, 96, device=device).bfloat16()
+    fresh_p = torch.randn(4, 64, 96, device=device)
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # ~tens of ms before the writes
+        X.copy_(fresh_x)
+        P.copy_(fresh_p)
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float64)
+        out = torch.empty_like(X)
+        flags = torch.empty(4, dtype=torch.bool, device=device)
+        normalize_into(X, norm, 1e-8, out, flags)
+        update_into(P, out, -0.02, 0.999)
+    side.synchronize()
+    want_out = torch.empty_like(out)
+    want_flags = torch.empty_like(flags)
+    normalize_into_reference(fresh_x, norm, 1e-8, want_out, want_flags)
+    want_p = fresh_p.clone()
+    update_into_reference(want_p, want_out, -0.02, 0.999)
+    assert torch.equal(out, want_out) and torch.equal(flags, want_flags)
+    assert torch.equal(P, want_p)
