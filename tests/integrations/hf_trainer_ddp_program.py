@@ -13,6 +13,7 @@ import torch.distributed as dist
 import transformers
 
 from shardmuon import Muon
+from shardmuon.harness.processes import exit_worker
 from shardmuon.integrations.hf import MuonFactory
 
 
@@ -101,3 +102,7 @@ def main(folder: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # Leave without finalising the interpreter: a gloo thread that frees a finished
+    # collective's work during finalisation aborts the process ("terminate called without an
+    # active exception") after all work succeeded (shardmuon.harness.processes).
+    exit_worker(0)
