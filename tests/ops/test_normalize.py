@@ -87,3 +87,23 @@ def test_the_accelerator_branch_rounds_a_wider_input_to_fp32_first() -> None:
     got = normalize_without_sync(X, 1e-8, torch.empty(X.shape, dtype=torch.bfloat16))
     want = normalize_without_sync(X.float(), 1e-8, torch.empty(X.shape, dtype=torch.bfloat16))
     assert same_bits(got.X, want.X)
+
+
+def test_the_cpu_division_calls_and_its_flags() -> None:
+    """On a CPU a narrow batch is divided in two row halves (two calls, same fp32 bytes as
+    one widened copy), an fp32 one in one call; the flags are the NaN matrices'."""
+    from shardmuon.bench.kernels import count_step
+
+    gen = torch.Generator().manual_seed(9)
+    for dtype, divisions in [(torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 1)]:
+        X = torch.randn(4, 16, 24, generator=gen).to(dtype)
+        report = count_step(lambda X=X: normalize(X, 1e-8, torch.bfloat16, out=None), "cpu")
+        assert report.operators["aten.div.out"] == divisions, report.operators
+        assert "aten._to_copy.default" not in report.operators
+    got = normalize(torch.randn(3, 5, 7, generator=gen).bfloat16(), 1e-8)
+    assert got.nonfinite.shape == (3,) and not got.nonfinite.any()
+    X = torch.randn(3, 5, 7, generator=gen).bfloat16()
+    X[1, 2, 3] = float("nan")
+    flagged = normalize(X, 1e-8)
+    assert flagged.nonfinite.tolist() == [False, True, False]
+    assert not flagged.X[1].any() and flagged.X[0].any()

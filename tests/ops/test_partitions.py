@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -186,3 +187,22 @@ def test_partitions_on_1d_param_raise() -> None:
     # A 1-D param can only live in an AdamW group, where partitions mean nothing.
     with pytest.raises(ValueError, match=r"\(128,\)"):
         _muon(weight, {norm: (64, 64)}, extra=[norm])
+
+
+def test_row_scales_merge_adjacent_ranges_of_equal_scale() -> None:
+    from shardmuon.ops.partitions import row_scales
+
+    # a fused gate_up: two blocks of one shape, one range; unequal blocks stay apart
+    assert row_scales((96, 96), 192, 256, [(0, 192)], "rms_norm", 0.2) == [(0, 192, 0.2 * 256**0.5)]
+    qkv = row_scales((64, 16, 16), 96, 64, [(0, 96)], "spectral_norm", 0.2)
+    assert [(a, b) for a, b, _ in qkv] == [(0, 64), (64, 96)]  # k and v share a scale
+    # a strided shard's pieces are not adjacent in the global matrix but are locally:
+    # equal scales merge there too, and the covered rows are unchanged
+    pieces = row_scales((8, 8), 16, 16, [(0, 4), (8, 12)], "rms_norm", 0.2)
+    assert pieces == [(0, 8, 0.2 * 16**0.5)]
+    for sizes, ranges in [((5, 3, 8), [(0, 16)]), ((4, 4, 8), [(2, 6), (10, 14)])]:
+        merged = row_scales(sizes, 16, 12, ranges, "spectral_norm", 0.2)
+        rows = sum(b - a for a, b in ranges)
+        covered = sorted(r for a, b, _ in merged for r in range(a, b))
+        assert covered == list(range(rows))
+        assert all(x[1] < y[0] or x[2] != y[2] for x, y in itertools.pairwise(merged))

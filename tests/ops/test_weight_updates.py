@@ -59,3 +59,44 @@ def test_the_batched_update_gives_the_per_segment_bits() -> None:
     weight_updates_(want, results, lrs, decays, scales)
     weight_updates_(params, results, [lr * 1.001 for lr in lrs], decays, scales)
     assert not all(torch.equal(a, b) for a, b in zip(params, want))
+
+
+def _reference_update(param, ortho, lr, weight_decay, ranges):
+    """The update's arithmetic spelled out in fp64-free torch ops, one range at a time:
+    ``fl(fl(P * fl32(1 - lr*wd)) + fl(fl32(O) * fl32(-lr*scale)))``."""
+    out = param.clone()
+    if weight_decay != 0.0:
+        out.mul_(1.0 - lr * weight_decay)
+    for start, end, scale in ranges:
+        if end > start:
+            step = ortho[..., start:end, :].to(torch.float32, copy=True).mul_(-lr * scale)
+            out[..., start:end, :].add_(step)
+    return out
+
+
+def test_the_update_against_its_spelled_out_roundings() -> None:
+    """``weight_update_`` (its one-pass fp32 step on a CPU) gives the bits of the widened copy
+    multiplied in place, for bf16 and fp32 results, factors of either sign and -0.0, and
+    leaves an fp32 results buffer untouched."""
+    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+    for trial in range(80):
+        count, rows, cols = rng.randint(1, 3), rng.randint(1, 20), rng.randint(1, 20)
+        param = torch.randn(count, rows, cols, generator=gen)
+        dtype = rng.choice([torch.bfloat16, torch.float32])
+        ortho = (torch.randn(count, rows, cols, generator=gen) * 10 ** rng.uniform(-3, 3)).to(dtype)
+        lr = rng.choice([0.02, 1e-3, -0.37, 0.0, -0.0, 3.3e-5])
+        wd = rng.choice([0.0, 0.1])
+        cut = rng.randint(0, rows)
+        ranges = [(0, cut, rng.random() * 3), (cut, rows, rng.random() * 3)]
+        want = _reference_update(param, ortho, lr, wd, ranges)
+        kept = ortho.clone()
+        weight_update_(param, ortho, lr, wd, ranges)
+        assert torch.equal(ortho, kept)
+        # bitwise, signed zeros included
+        assert torch.equal(param.view(torch.int32), want.view(torch.int32)), trial
+    # the test can tell: a factor off by one ulp changes the bits
+    param = torch.randn(2, 8, 8, generator=gen)
+    ortho = torch.randn(2, 8, 8, generator=gen).bfloat16()
+    want = _reference_update(param, ortho, 0.02, 0.1, [(0, 8, 1.0)])
+    weight_update_(param, ortho, 0.02 * (1 + 2**-20), 0.1, [(0, 8, 1.0)])
+    assert not torch.equal(param, want)

@@ -315,6 +315,15 @@ def _fold_row_scales_(B: Tensor, d: Tensor, a: float) -> None:
         B.copy_(wide)
 
 
+def _iteration_buffers(X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The folded iteration's scratch: ``A`` and ``B`` (``X``'s ``[..., m, m]``, two views of
+    one allocation) and a spare ``X`` of its own (the result may end in it, and must not
+    keep the Gram matrices alive after the call)."""
+    gram_shape = (*X.shape[:-1], X.size(-2))
+    grams = X.new_empty((2, *gram_shape))
+    return grams[0], grams[1], torch.empty_like(X)
+
+
 def iterate_folded(
     X: Tensor,
     coefficients: Coefficients,
@@ -337,10 +346,7 @@ def iterate_folded(
         eps_floor = None if eps_floor is None else eps_floor[0]
     else:
         matmul, matmul_add = torch.bmm, torch.baddbmm
-    gram_shape = (*X.shape[:-1], X.size(-2))
-    A = X.new_empty(gram_shape)
-    B = X.new_empty(gram_shape)
-    spare = torch.empty_like(X)
+    A, B, spare = _iteration_buffers(X)
     for step, (a, b, c) in enumerate(coefficients):
         matmul(X, X.mT, out=A)
         if step == 0 and preconditioner == "aol" and X.dtype != torch.float16:

@@ -232,12 +232,25 @@ def _divide(
     ``fused`` (the accelerator branch): the division rounds its fp32 quotient into
     ``out``'s dtype itself — on an accelerator the kernel casts as it loads and stores, so a
     slice is two kernels (the prescale, whose fp32 result is the slice's one temporary, and
-    the division) instead of four, with no separate copy or cast pass. Not on a CPU: there a
-    mixed-dtype division makes an fp32 temporary of each mismatched operand and of its
-    result, twice the one fp32 copy that the unfused slice holds. Both give the same bits."""
+    the division) instead of four, with no separate copy or cast pass. On a CPU a
+    mixed-dtype division makes an fp32 copy of a narrower operand and of its quotient: it
+    divides each slice in two halves of its rows instead (two fp32 copies of a half are the
+    unfused slice's one fp32 copy), one call each instead of three (copy, divide, cast
+    back); an fp32 slice in one call (its quotient's one fp32 copy). Same bits."""
     batch, rows, cols = X.shape
+    on_cpu = X.device.type == "cpu"
 
     def divide_into(target: Tensor, source: Tensor, divisor: Tensor, pre: Tensor | None) -> None:
+        if on_cpu and pre is None:
+            if source.dtype == torch.float32:  # one fp32 temporary: the quotient's
+                torch.div(source, divisor, out=target)
+                return
+            half = source.size(-2) // 2
+            if half and source.size(-2) % 2 == 0:
+                # Each matrix's rows in two halves: every [..., 1, 1] divisor broadcasts.
+                torch.div(source[..., :half, :], divisor, out=target[..., :half, :])
+                torch.div(source[..., half:, :], divisor, out=target[..., half:, :])
+                return
         if fused:
             if pre is not None:
                 source = source * pre  # fp32, exact: pre is a power of two

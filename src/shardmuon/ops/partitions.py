@@ -144,7 +144,8 @@ def row_scales(
     ``rows``/``cols`` are the global matrix dims; the local shard holds the global rows
     ``local_row_ranges`` (``(start, stop)`` pairs, in local order: one range when sharded
     once, several under a strided shard, ``[(0, rows)]`` when not row-sharded). Each
-    partition block is scaled by its own shape ``(block_rows, cols)``.
+    partition block is scaled by its own shape ``(block_rows, cols)``; adjacent ranges of
+    equal scale are one range (a fused gate_up's two halves: one update pass, same bits).
     """
     blocks = partitions or (rows,)
     ranges = []
@@ -157,7 +158,10 @@ def row_scales(
             if end > start:
                 scale = lr_scale(size, cols, adjust_lr, update_rms)
                 offset = local_start - first
-                ranges.append((start + offset, end + offset, scale))
+                if ranges and ranges[-1][1] == start + offset and ranges[-1][2] == scale:
+                    ranges[-1] = (ranges[-1][0], end + offset, scale)
+                else:
+                    ranges.append((start + offset, end + offset, scale))
             block_start += size
         local_start += last - first
     return ranges

@@ -7,6 +7,7 @@ still equal the single-process update bitwise.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -123,11 +124,22 @@ def weight_update_(
 
 
 def _scaled_fp32(results: Tensor, factor: float) -> Tensor:
-    """``fl32(results) * factor`` in a new fp32 tensor (an fp32 ``results`` is not written:
-    ``.to`` would return it and the multiply would land in the caller's buffer)."""
+    """``fl32(results) * factor`` in a new fp32 tensor (``factor`` rounded to fp32 first, as a
+    multiply by a Python float does). On a CPU one pass: the factor is a cached one-element
+    fp32 tensor with dimensions, so the multiply promotes to fp32 (widening is exact)
+    instead of a widened copy multiplied in place (an fp32 ``results`` is never written)."""
+    if results.device.type == "cpu":
+        return torch.mul(results, _cpu_factor(factor, math.copysign(1.0, factor), results.dim()))
     if results.dtype == torch.float32:
         return results * factor
     return results.to(torch.float32).mul_(factor)
+
+
+@functools.lru_cache(maxsize=256)
+def _cpu_factor(factor: float, sign: float, dims: int) -> Tensor:
+    """``factor`` as an fp32 CPU tensor of ``dims`` unit dimensions, made once per value
+    (``sign`` keeps ``-0.0`` and ``0.0`` apart: they compare equal). Never written."""
+    return torch.full((1,) * dims, factor, dtype=torch.float32)
 
 
 def weight_updates_(

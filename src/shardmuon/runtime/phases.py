@@ -41,6 +41,7 @@ __all__ = [
     "BatchRun",
     "StepContext",
     "compute",
+    "decay_all_params",
     "finish",
     "momentum_views",
     "new_run",
@@ -176,6 +177,7 @@ class BatchRun:
     prepared: bool = False
     computed: bool = False
     finished: int = 0
+    decayed: bool = False  # every segment's parameter already decayed (decay_all_params)
 
     @property
     def count(self) -> int:
@@ -264,10 +266,41 @@ def update_all_momenta(ctx: StepContext, runs: list[BatchRun]) -> None:
         run.momentum_done = len(run.segments)
 
 
+def decay_all_params(ctx: StepContext, runs: list[BatchRun]) -> None:
+    """``X *= 1 - lr*wd`` for every run whose parameters are fp32 views, with one
+    ``_foreach_mul_`` per factor at the start of the step (the multiply *finish* would make,
+    so the same bits, in a launch or two instead of one per segment); those runs' *finish*
+    then adds the step only. Not where the fused kernel decays and updates in one pass."""
+    if fused_update_available(ctx.device):
+        return
+    by_factor: dict[float, list[Tensor]] = {}
+    for run in runs:
+        if run.decayed or run.finished or not run.segments:
+            continue
+        views = []
+        for seg in run.segments:
+            p = ctx.plan.params[seg.param_index]
+            matrices, commit = ctx.writable(seg.param_index, p)
+            if matrices.dtype != torch.float32 or commit is not _nothing:
+                break
+            hyper = ctx.hyperparams_of(seg.param_index)
+            if hyper.weight_decay != 0.0:
+                views.append((1.0 - hyper.lr * hyper.weight_decay, matrices[seg.start : seg.stop]))
+        else:
+            for factor, view in views:
+                by_factor.setdefault(factor, []).append(view)
+            run.decayed = True
+    for factor, views in by_factor.items():
+        torch._foreach_mul_(views, factor)
+
+
 def write_directions(ctx: StepContext, run: BatchRun, out: Tensor) -> None:
-    """Each segment's direction, rounded to bf16, into consecutive matrices of ``out``."""
+    """Each segment's direction, rounded to bf16, into consecutive matrices of ``out``
+    (momenta without Nesterov in one ``_foreach_copy_``: the same rounding, one launch)."""
     plan = ctx.plan
     offset = 0
+    targets: list[Tensor] = []
+    momenta: list[Tensor] = []
     for k, seg in enumerate(run.segments):
         p = plan.params[seg.param_index]
         hyper = ctx.hyperparams_of(seg.param_index)
@@ -277,8 +310,25 @@ def write_directions(ctx: StepContext, run: BatchRun, out: Tensor) -> None:
             grad = ctx.matrices(seg.param_index, ctx.grad(p))[seg.start : seg.stop]
             target.copy_(direction(momentum, grad, hyper.mu, True))
         else:
-            target.copy_(momentum)
+            targets.append(target)
+            momenta.append(momentum)
         offset += seg.count
+    if len(targets) == 1:
+        targets[0].copy_(momenta[0])
+    elif targets:
+        torch._foreach_copy_(targets, momenta)
+
+
+def _directions(ctx: StepContext, run: BatchRun) -> Tensor:
+    """A new contiguous bf16 ``[count, rows, cols]`` buffer of the batch's directions (one
+    segment without Nesterov: its momentum's bf16 copy, one call)."""
+    if len(run.segments) == 1 and not ctx.hyperparams_of(run.segments[0].param_index).nesterov:
+        momentum = _segment_momentum(ctx, run, 0)[0]
+        if tuple(momentum.shape) == _buffer_shape(run):
+            return momentum.to(torch.bfloat16, copy=True, memory_format=torch.contiguous_format)
+    buffer = torch.empty(_buffer_shape(run), dtype=torch.bfloat16, device=ctx.device)
+    write_directions(ctx, run, buffer)
+    return buffer
 
 
 def _buffer_shape(run: BatchRun) -> tuple[int, int, int]:
@@ -291,9 +341,7 @@ def prepare(ctx: StepContext, run: BatchRun) -> None:
     _update_momentum(ctx, run)
     ctx.stats.num_batches += 1
     if not run.receives_from_replica and run.segments:
-        buffer = torch.empty(_buffer_shape(run), dtype=torch.bfloat16, device=ctx.device)
-        write_directions(ctx, run, buffer)
-        run.buffer = buffer
+        run.buffer = _directions(ctx, run)
         start_gather(ctx, run)
     run.prepared = True
 
@@ -364,7 +412,7 @@ def finish(ctx: StepContext, run: BatchRun) -> None:
             matrices[seg.start : seg.stop],
             run.results[offset : offset + seg.count],
             hyper.lr,
-            hyper.weight_decay,
+            0.0 if run.decayed else hyper.weight_decay,
             plan.row_scales[seg.param_index],
         )
         commit()
@@ -389,7 +437,7 @@ def _update_all_at_once(ctx: StepContext, run: BatchRun) -> bool:
         hyper = ctx.hyperparams_of(seg.param_index)
         params.append(matrices[seg.start : seg.stop])
         lrs.append(hyper.lr)
-        decays.append(hyper.weight_decay)
+        decays.append(0.0 if run.decayed else hyper.weight_decay)
         scales.append(plan.row_scales[seg.param_index])
     if len(params) < 2:
         return False  # one parameter: the per-segment path is as short

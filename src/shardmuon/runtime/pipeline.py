@@ -29,6 +29,7 @@ from shardmuon.runtime.phases import (
     BatchRun,
     StepContext,
     compute,
+    decay_all_params,
     finish,
     momentum_views,
     new_run,
@@ -68,6 +69,7 @@ def run_step(
     runs = {i: new_run(ctx, batch) for i, batch in enumerate(plan.batches)}
     if stager is None:
         update_all_momenta(ctx, list(runs.values()))
+    decay_all_params(ctx, list(runs.values()))
     ops = [*(("sinkhorn", k) for k in range(len(plan.sinkhorn)))]
     ops += _with_adamw(schedule, len(plan.adamw))
     staging = None

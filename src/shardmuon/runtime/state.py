@@ -13,6 +13,7 @@ restores; through the counters, the count comes back. The pieces of a checked lo
 from __future__ import annotations
 
 import contextlib
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -111,7 +112,7 @@ def adopt_loaded_counts(param_groups: list[dict], state: dict, counted: dict[int
         if index not in counted or not _is_step_counter(counter):
             continue
         # The count as a float32 holds it (2**24 + 1 reads back as 2**24).
-        written = float(torch.tensor(float(counted[index]), dtype=torch.float32))
+        written = struct.unpack("f", struct.pack("f", float(counted[index])))[0]
         loaded = float(counter.item())
         if loaded != written:
             group["step"] = int(loaded)
