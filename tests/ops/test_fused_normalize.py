@@ -14,8 +14,13 @@ import pytest
 import torch
 from triton_interpreter import run_interpreted
 
-from shardmuon.ops.fused_normalize import normalize_into, normalize_into_reference
-from shardmuon.ops.normalize import normalize_without_sync
+from shardmuon.ops.fused_normalize import (
+    normalize_into,
+    normalize_into_reference,
+    normalize_unit_into,
+    normalize_unit_into_reference,
+)
+from shardmuon.ops.normalize import _normalize_without_sync, normalize_without_sync
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -141,3 +146,91 @@ def test_a_kernel_that_fails_falls_back_to_the_torch_ops_once_and_for_all(monkey
     assert not fused_normalize.fused_normalize_available(torch.device("meta"))
     fused_normalize.run_or_fall_back(lambda: ran.append("kernel"), lambda: ran.append("ref"))
     assert ran == ["reference", "ref"]
+
+
+def _unit_torch_ops(X, eps, out_dtype):
+    """AOL's normalisation by the torch ops the kernel replaces (the branch without Triton)."""
+    (out, flags), floor = _normalize_without_sync(
+        X, eps, torch.empty(X.shape, dtype=out_dtype), unit=True
+    )
+    return out, flags, floor
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    both_nan = a.isnan() & b.isnan()  # NaN payloads differ by platform
+    return torch.equal(a.masked_fill(both_nan, 0).view(torch.uint8),
+                       b.masked_fill(both_nan, 0).view(torch.uint8))  # fmt: skip
+
+
+def test_the_unit_reference_is_the_torch_ops_and_the_fake_runs_on_meta() -> None:
+    """AOL's variant (``X / ||X||`` and the floor ``||X|| / (||X|| + eps)``)."""
+    for X, eps, out_dtype in _cases(4):
+        want, want_flags, want_floor = _unit_torch_ops(X, eps, out_dtype)
+        out = torch.empty(X.shape, dtype=out_dtype)
+        flags = torch.empty(X.size(0), dtype=torch.bool)
+        floor = torch.empty(X.size(0))
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float64)
+        normalize_unit_into_reference(X, norm, eps, out, flags, floor)
+        assert _same(out, want) and _same(floor, want_floor)
+        assert torch.equal(flags, want_flags)
+        assert not out[~flags].isnan().any()  # a zero matrix stays zero (no 0 / 0)
+    meta = torch.empty(3, 4, 5, device="meta")
+    normalize_unit_into(meta, torch.empty(3, device="meta", dtype=torch.float64), 1e-8, meta,
+                        torch.empty(3, device="meta", dtype=torch.bool),
+                        torch.empty(3, device="meta"))  # fmt: skip
+
+
+UNIT_PROGRAM = textwrap.dedent(
+    """
+    import sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from test_fused_normalize import _cases, _same, _unit_torch_ops
+    from shardmuon.ops.fused_normalize import launch
+
+    checked = 0
+    for seed in (5, 6):
+        for X, eps, out_dtype in _cases(seed):
+            want, want_flags, want_floor = _unit_torch_ops(X, eps, out_dtype)
+            out = torch.full(X.shape, 7.0, dtype=out_dtype)
+            flags = torch.ones(X.size(0), dtype=torch.bool)
+            floor = torch.full((X.size(0),), 7.0)
+            norm = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float64)
+            launch(X, norm, eps, out, flags, floor)
+            if not (_same(out, want) and _same(floor, want_floor)):
+                sys.exit(f"{{X.dtype}}->{{out_dtype}} {{tuple(X.shape)}} eps={{eps}}: "
+                         f"floor {{floor}} vs {{want_floor}}")
+            if not torch.equal(flags, want_flags):
+                sys.exit(f"flags {{flags}} vs {{want_flags}}")
+            checked += 1
+    print("checked", checked)
+    """
+)
+
+
+def test_the_unit_kernel_gives_the_torch_ops_bits_under_the_interpreter(tmp_path) -> None:
+    pytest.importorskip("triton")
+    stdout = run_interpreted(UNIT_PROGRAM.format(tests=os.path.dirname(__file__)), tmp_path)
+    assert "checked 48" in stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_unit_kernel_gives_the_torch_ops_bits() -> None:
+    pytest.importorskip("triton")
+    from shardmuon.ops.fused_normalize import launch
+
+    for X, eps, out_dtype in _cases(7):
+        X = X.cuda()
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float64)
+        want = torch.empty(X.shape, dtype=out_dtype, device="cuda")
+        want_flags = torch.empty(X.size(0), dtype=torch.bool, device="cuda")
+        want_floor = torch.empty(X.size(0), device="cuda")
+        normalize_unit_into_reference(X, norm, eps, want, want_flags, want_floor)
+        out, flags, floor = (
+            torch.empty_like(want),
+            torch.empty_like(want_flags),
+            torch.empty_like(want_floor),
+        )
+        launch(X, norm, eps, out, flags, floor)
+        assert _same(out, want) and _same(floor, want_floor)
+        assert torch.equal(flags, want_flags)

@@ -27,11 +27,18 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["fused_normalize_available", "normalize_into", "normalize_into_reference"]
+__all__ = [
+    "fused_normalize_available",
+    "normalize_into",
+    "normalize_into_reference",
+    "normalize_unit_into",
+    "normalize_unit_into_reference",
+]
 
 # Elements of one matrix per program: memory-bound, large enough to amortise the per-program
 # scalar work (the exponent arithmetic on the matrix's norm).
 _BLOCK = 2048
+_FP32_TINY = torch.finfo(torch.float32).tiny
 # The output dtypes by the code the kernel branches on.
 _OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -88,8 +95,8 @@ def _kernel():
 
     @triton.jit
     def normalize_kernel(
-        X, OUT, NORM, NONFINITE, eps, n, stride_b, stride_r, stride_c, numel,
-        IN_BF16: tl.constexpr, OUT_KIND: tl.constexpr, BLOCK: tl.constexpr,
+        X, OUT, NORM, NONFINITE, FLOOR, eps, n, stride_b, stride_r, stride_c, numel,
+        IN_BF16: tl.constexpr, OUT_KIND: tl.constexpr, UNIT: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(1).to(tl.int64)  # offsets past 2^31 elements
         block = tl.program_id(0)
@@ -105,7 +112,15 @@ def _kernel():
         # Flagged from the norm, before eps: a finite matrix whose prescale * eps overflows
         # is divided by inf (zeros of its signs), not flagged.
         nonfinite = (scaled_norm - scaled_norm) != 0.0  # inf - inf and NaN: NaN
-        divisor = scaled_norm + prescale * eps
+        if UNIT:
+            # X / ||X|| (a zero matrix stays zero) and the floor ||X|| / (||X|| + eps).
+            tiny = 1.1754943508222875e-38  # fp32's smallest normal, 2^-126 (exact)
+            divisor = tl.maximum(scaled_norm, tiny)
+            if block == 0:
+                floor = tl.math.div_rn(scaled_norm, tl.maximum(scaled_norm + prescale * eps, tiny))
+                tl.store(FLOOR + b, tl.where(nonfinite, 0.0, floor))
+        else:
+            divisor = scaled_norm + prescale * eps
         if block == 0:
             tl.store(NONFINITE + b, nonfinite.to(tl.int8))
         i = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -139,22 +154,33 @@ def _kernel():
     return normalize_kernel
 
 
-def launch(X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: Tensor) -> None:
+def launch(
+    X: Tensor,
+    norm: Tensor,
+    eps: float,
+    out: Tensor,
+    nonfinite: Tensor,
+    floor: Tensor | None = None,
+) -> None:
     """The Triton kernel on ``X[B, m, n]`` (fp32, bf16 or fp16, any strides), ``norm`` its
     ``[B]`` fp64 Frobenius norms, ``out`` a contiguous ``[B, m, n]`` (fp32, bf16 or fp16;
-    ``X`` itself when ``X`` is contiguous), ``nonfinite`` a ``[B]`` bool. Runs wherever the
-    tensors live (CUDA; a CPU under ``TRITON_INTERPRET=1``)."""
+    ``X`` itself when ``X`` is contiguous), ``nonfinite`` a ``[B]`` bool; with ``floor`` (an
+    fp32 ``[B]``) AOL's two factors instead (:func:`normalize_unit_into`). Runs wherever
+    the tensors live (CUDA; a CPU under ``TRITON_INTERPRET=1``)."""
     batch, rows, cols = X.shape
     numel = rows * cols
     if batch == 0 or numel == 0:
         nonfinite.zero_()
+        if floor is not None:
+            floor.zero_()  # an empty matrix: norm 0, floor 0 / (0 + eps) = 0
         return
     target = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     source = X.view(torch.int16) if X.dtype == torch.bfloat16 else X
     grid = (math.ceil(numel / _BLOCK), batch)
     _kernel()[grid](
-        source, target, norm, nonfinite.view(torch.int8), float(eps), cols, *X.stride(),
-        numel, IN_BF16=X.dtype == torch.bfloat16, OUT_KIND=_OUT_KINDS[out.dtype], BLOCK=_BLOCK,
+        source, target, norm, nonfinite.view(torch.int8), norm if floor is None else floor,
+        float(eps), cols, *X.stride(), numel, IN_BF16=X.dtype == torch.bfloat16,
+        OUT_KIND=_OUT_KINDS[out.dtype], UNIT=floor is not None, BLOCK=_BLOCK,
         enable_fp_fusion=False,  # no FMA: each operation rounds as the torch op does
     )  # fmt: skip
 
@@ -174,6 +200,48 @@ def normalize_into_reference(
     torch.div(X * prescale, divisor, out=out)
     out.masked_fill_(bad, 0.0)
     nonfinite.copy_(bad.flatten())
+
+
+def normalize_unit_into_reference(
+    X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: Tensor, floor: Tensor
+) -> None:
+    """:func:`normalize_unit_into` in torch ops (its meaning, and where Triton is not
+    used)."""
+    norm64 = norm.reshape(-1, 1, 1)
+    exponent = torch.frexp(norm64).exponent.clamp_(-126, 126)
+    prescale = torch.ldexp(torch.ones_like(norm64, dtype=torch.float32), -exponent)
+    denom = (norm64 * prescale).to(torch.float32)
+    bad = ~torch.isfinite(denom)
+    unit_floor = denom / (denom + prescale * eps).clamp_min_(_FP32_TINY)  # 0 / 0 (eps 0): 0
+    floor.copy_(unit_floor.masked_fill_(bad, 0.0).flatten())
+    torch.div(X * prescale, denom.clamp_min_(_FP32_TINY), out=out)  # a zero matrix stays 0
+    out.masked_fill_(bad, 0.0)
+    nonfinite.copy_(bad.flatten())
+
+
+@torch.library.custom_op(
+    "shardmuon::normalize_unit_into", mutates_args=("out", "nonfinite", "floor")
+)
+def normalize_unit_into(
+    X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: Tensor, floor: Tensor
+) -> None:
+    """AOL's normalisation in one pass: ``out = X / ||X||`` per matrix (through the same
+    power-of-two prescale as :func:`normalize_into`; a zero matrix stays zero), the fp32
+    ``floor[B] = ||X|| / (||X|| + eps)``, both zero where the norm is not finite, and
+    ``nonfinite[B]`` those matrices. One Triton kernel on CUDA."""
+    if X.device.type == "cuda":
+        with torch.cuda.device(X.device):
+            run_or_fall_back(
+                lambda: launch(X, norm, eps, out, nonfinite, floor),
+                lambda: normalize_unit_into_reference(X, norm, eps, out, nonfinite, floor),
+            )
+    else:
+        normalize_unit_into_reference(X, norm, eps, out, nonfinite, floor)
+
+
+@normalize_unit_into.register_fake
+def _normalize_unit_into_fake(X, norm, eps, out, nonfinite, floor) -> None:
+    return None
 
 
 @torch.library.custom_op("shardmuon::normalize_into", mutates_args=("out", "nonfinite"))

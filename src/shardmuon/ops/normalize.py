@@ -30,7 +30,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from shardmuon.ops.fused_normalize import fused_normalize_available, normalize_into
+from shardmuon.ops.fused_normalize import (
+    fused_normalize_available,
+    normalize_into,
+    normalize_unit_into,
+)
 
 __all__ = [
     "NORMALIZE_CHUNK_ELEMENTS",
@@ -201,12 +205,16 @@ def _normalize_without_sync(
     clamp and division, its mask, the divisor's clamp)."""
     if X.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         X = X.float()
-    if not unit and fused_normalize_available(X.device):
+    if fused_normalize_available(X.device):
         # The norm, then everything else in one kernel (ops/fused_normalize.py).
         norm = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float64)
         nonfinite = torch.empty(X.size(0), dtype=torch.bool, device=X.device)
-        normalize_into(X, norm, eps, out, nonfinite)
-        return Normalized(out, nonfinite), None
+        if not unit:
+            normalize_into(X, norm, eps, out, nonfinite)
+            return Normalized(out, nonfinite), None
+        floor = torch.empty(X.size(0), dtype=torch.float32, device=X.device)
+        normalize_unit_into(X, norm, eps, out, nonfinite, floor)
+        return Normalized(out, nonfinite), floor
     norm64 = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
     prescale = _power_of_two_below(norm64)
     denom = (norm64 * prescale).to(torch.float32)

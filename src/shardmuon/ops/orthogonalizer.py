@@ -109,9 +109,12 @@ class EngineCost:
         iteration = engine.iteration_bytes(count, m, n, size, chain)
         cast = (size * total + BF16 * total) if size != BF16 else 0
         if self.preconditioner == "aol":
-            # |A| and its fp32 row sums, the fp32 outer product of the scales, and the fp32
-            # copies the two mixed-dtype products make of X and A.
-            iteration += size * small + 2 * FP32 * small + FP32 * total + 2 * FP32 * count * m
+            # The fp32 row sums and scales, and one fp32 m x m at a time (A widened on a CPU
+            # or the outer product of the scales elsewhere; then B widened for the fold);
+            # fp16 scales X itself instead of folding, through an fp32 copy on a CPU.
+            iteration += FP32 * small + 2 * FP32 * count * m
+            if self.dtype == torch.float16:
+                iteration += FP32 * total
         peak = max(division, rare, iteration, cast)
         if guard_enabled(name, self.guard):
             # O in fp32 and A = O O^T, its cleaned copy, the Cholesky test's input and factor;
