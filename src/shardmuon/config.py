@@ -33,9 +33,14 @@ from pydantic import (
 from torch import Tensor, nn
 
 from shardmuon.ops.newton_schulz import resolve_coefficients
-from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES
 from shardmuon.routing import build_param_groups
-from shardmuon.validation import EPSILON_MIN, check_adjust_lr, check_int, check_number
+from shardmuon.validation import (
+    EPSILON_MIN,
+    WORKSPACE_ACCEPTED,
+    check_adjust_lr,
+    check_int,
+    check_number,
+)
 
 if TYPE_CHECKING:
     from shardmuon.optimizer import Muon
@@ -124,7 +129,7 @@ FIELD_RANGES: dict[str, NumberRange] = {
 INT_ACCEPTED = {
     "max_in_flight": "an int >= 1",
     "offload_prefetch": "an int >= 1",
-    "workspace_bytes": "an int > 0 (bytes)",
+    "workspace_bytes": WORKSPACE_ACCEPTED,
 }
 
 
@@ -154,7 +159,7 @@ class MuonConfig(BaseModel):
     adjust_lr: str | None = "rms_norm"
     newton_schulz_coefficients: CoefficientSpec = None
     max_in_flight: int = 3
-    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
+    workspace_bytes: int | Literal["auto"] = "auto"
     offload: Literal["state"] | None = None
     offload_prefetch: int = 2
     flatten: bool = False
@@ -249,6 +254,8 @@ class MuonConfig(BaseModel):
     @field_validator("max_in_flight", "offload_prefetch", "workspace_bytes", mode="before")
     @classmethod
     def _counts(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name == "workspace_bytes" and value == "auto":
+            return value
         try:
             check_int(info.field_name, value, 1, INT_ACCEPTED[info.field_name])
         except TypeError as err:  # pydantic reports ValueErrors against the field

@@ -35,7 +35,11 @@ from shardmuon.planning.plan import (
     build_plan,
     plan_key,
 )
-from shardmuon.planning.workspace import DEFAULT_WORKSPACE_BYTES, ScheduleCache
+from shardmuon.planning.workspace import (
+    DEFAULT_WORKSPACE_BYTES,
+    ScheduleCache,
+    device_workspace_bytes,
+)
 from shardmuon.runtime.agreement import (
     agreement_groups,
     check_live_agreement,
@@ -134,8 +138,12 @@ class Muon(Optimizer):
             (default 3). ``max_concurrent_tasks``: the same setting under prime-rl's name;
             both given and different: ``ValueError``.
         workspace_bytes: each rank's budget for the step's transient buffers
-            (``planning/workspace.py``; default 512 MiB): batches enter flight while their
-            bytes fit, local stacks are cut to fit; a batch larger than the budget runs alone.
+            (``planning/workspace.py``): batches enter flight while their bytes fit, local
+            stacks are cut to fit; a batch larger than the budget runs alone. ``"auto"``
+            (default): 512 MiB on a CPU; on CUDA a sixteenth of the device's memory, at
+            most half of what is free when the optimizer is built, in whole 256 MiB, at
+            least 512 MiB (``device_workspace_bytes``); resolved once, then an int like a
+            given one (agreed by every rank, kept by copies).
         offload, offload_prefetch: ``"state"``: the state in pinned host memory, each chunk's
             streamed in ``offload_prefetch`` chunks ahead (``runtime/offload.py``); same bits.
         newton_schulz_impl: the engine (``ops/engines.py``): ``"folded"`` (default),
@@ -197,7 +205,7 @@ class Muon(Optimizer):
         matrix_partitions: dict[Tensor, Sequence[int]] | None = None,
         max_in_flight: int | None = None,
         max_concurrent_tasks: int | None = None,
-        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        workspace_bytes: int | str = "auto",
         offload: str | None = None,
         offload_prefetch: int = 2,
         newton_schulz_impl: str = "folded",
@@ -305,6 +313,16 @@ class Muon(Optimizer):
             self.coefficients, self._default_coefficients, self.newton_schulz_preconditioner
         )
         check_optimizer_settings(self._settings(), NS_CHOICES, OFFLOAD_CHOICES, OVERLAP_CHOICES)
+        if self.workspace_bytes == "auto" and hasattr(self, "param_groups"):
+            self.workspace_bytes = self._auto_workspace_bytes()
+
+    def _auto_workspace_bytes(self) -> int:
+        """``workspace_bytes="auto"`` on this optimizer's device."""
+        device = self._device()
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            return device_workspace_bytes(total, free)
+        return DEFAULT_WORKSPACE_BYTES
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (validated as in the constructor); the plan is rebuilt.

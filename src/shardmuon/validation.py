@@ -34,6 +34,7 @@ __all__ = [
     "EPSILON_MIN",
     "MOMENTUM_ALIAS",
     "OPTIMIZER_SETTINGS",
+    "WORKSPACE_ACCEPTED",
     "apply_momentum_alias",
     "check_dion_arguments",
     "check_epsilon",
@@ -310,6 +311,9 @@ CHECK_GRADS_CHOICES = ("first", "always", "never")
 ADAMW_CHUNKS_CHOICES = ("group", "parameter")
 
 
+WORKSPACE_ACCEPTED = "an int > 0 (bytes) or 'auto'"
+
+
 def check_int(name: str, value: Any, low: int, accepted: str) -> None:
     """``value`` must be an int (not a bool) ``>= low``; ``accepted`` says so in the message."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -337,7 +341,8 @@ def check_optimizer_settings(
     if not (rms > 0 and math.isfinite(rms)):
         raise ValueError(f"update_rms must be a finite number > 0, got {rms!r}")
     check_int("max_in_flight", settings["max_in_flight"], 1, "an int >= 1")
-    check_int("workspace_bytes", settings["workspace_bytes"], 1, "an int > 0 (bytes)")
+    if settings["workspace_bytes"] != "auto":
+        check_int("workspace_bytes", settings["workspace_bytes"], 1, WORKSPACE_ACCEPTED)
     _check_choice("offload", settings["offload"], offload_choices)
     prefetch = settings["offload_prefetch"]
     if isinstance(prefetch, bool) or not isinstance(prefetch, int):  # a ValueError, as before

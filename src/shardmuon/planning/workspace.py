@@ -28,9 +28,11 @@ from shardmuon.planning.batches import MuonBatch
 
 __all__ = [
     "DEFAULT_WORKSPACE_BYTES",
+    "WORKSPACE_GRANULE",
     "BatchBytes",
     "ScheduleCache",
     "batch_bytes",
+    "device_workspace_bytes",
     "forward_schedule",
     "local_batch_size",
     "newton_schulz_bytes",
@@ -43,7 +45,23 @@ __all__ = [
 
 # 512 MiB: a few of the largest dense matrices of a 30B-class model in flight (a
 # [4096, 2048] bf16 piece set is 16 MiB), and local expert stacks of a few hundred MiB.
+# The budget on a CPU, and the least ``"auto"`` gives on an accelerator.
 DEFAULT_WORKSPACE_BYTES = 512 * 2**20
+# ``workspace_bytes="auto"`` (the default) is rounded down to whole steps of this size.
+WORKSPACE_GRANULE = 256 * 2**20
+
+
+def device_workspace_bytes(total: int, free: int) -> int:
+    """``workspace_bytes="auto"`` on an accelerator with ``total`` bytes of memory, ``free``
+    of them free when the optimizer is built: a sixteenth of the device, at most half of what
+    is free, rounded down to whole ``WORKSPACE_GRANULE`` steps (so that ranks whose free
+    memory differs a little agree), and never below ``DEFAULT_WORKSPACE_BYTES``.
+
+    An H200 (141 GB) gets 8 GiB and an 80 GB H100 4.5 GiB: a call batches a whole expert
+    stack of a 30B-class MoE where 512 MiB cut it into pieces."""
+    budget = min(total // 16, free // 2) // WORKSPACE_GRANULE * WORKSPACE_GRANULE
+    return max(DEFAULT_WORKSPACE_BYTES, budget)
+
 
 BF16 = 2
 FP32 = 4
