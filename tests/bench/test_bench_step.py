@@ -379,6 +379,12 @@ def test_two_ranks_abba_with_dion_on_the_fsdp_mesh(fake_dion, tmp_path, capsys):
     assert len(sm["step_over_ns_per_step"]) == 2
     assert sm["step_over_ns_spread"]["max"] == max(sm["step_over_ns_per_step"])
     assert all(len(r["ns_times_s"]) == 2 for p in data["per_pass"]["shardmuon"] for r in p)
+    # the step beside its floor: every rank measured one, the row holds the busiest
+    assert "the step beside its floor" in printed
+    floors = [r["floor"] for r in data["per_pass"]["shardmuon"][0]]
+    assert sm["floor"] == max(floors, key=lambda f: f["seconds"])
+    assert sm["step_over_floor"] == pytest.approx(sm["step_s"] / sm["floor"]["seconds"])
+    assert "floor" not in rows["dion"]
 
 
 def test_dion_mesh_is_the_shard_mesh():

@@ -102,8 +102,21 @@ def summarize(impl: str, passes: list[list[dict]]) -> dict[str, Any]:
             num_batches=[r["num_batches"] for r in ranks],
             matrices_orthogonalized=[r["matrices_orthogonalized"] for r in ranks],
             **_newton_schulz(passes),
+            **_floor(passes, row["step_s"]),
         )
     return row
+
+
+def _floor(passes: list[list[dict]], step_s: float) -> dict[str, Any]:
+    """The floor of the busiest rank (its largest, first pass) and the step over it."""
+    floors = [r["floor"] for r in passes[0] if "floor" in r]
+    if not floors:
+        return {}
+    worst = max(floors, key=lambda f: f["seconds"])
+    return {
+        "floor": worst,
+        "step_over_floor": step_s / worst["seconds"] if worst["seconds"] > 0 else None,
+    }
 
 
 def _spread_lines(rows: list[dict]) -> list[str]:
@@ -194,6 +207,36 @@ def print_results(rows: list[dict], cfg, out: dict, skipped: dict[str, str]) -> 
             ("padded ÷ min", "dion's padded scheme over that least, computed from the layout"),
         ],
     )
+    floored = [r for r in rows if r.get("floor")]
+    if floored:
+        print_table(
+            "the step beside its floor (what this device's GEMMs and memory allow)",
+            ["impl", "step\nms", "floor\nms", "NS at\nGEMM ms", "state\nGB", "step\n÷ floor"],
+            [
+                [
+                    r["impl"],
+                    fmt(1e3 * r["step_s"], ".2f"),
+                    fmt(1e3 * r["floor"]["seconds"], ".2f"),
+                    fmt(1e3 * r["floor"]["ns_seconds"], ".2f"),
+                    fmt(r["floor"]["state_bytes"] / 1e9, ".3f"),
+                    fmt(r.get("step_over_floor"), ".2f"),
+                ]
+                for r in floored
+            ],
+            caption=(
+                "The busiest rank's floor, from rates measured in this run: bf16 X X^T at "
+                "the calls' shapes "
+                f"{min(r['floor']['gemm_tflops_min'] for r in floored):.3g}-"
+                f"{max(r['floor']['gemm_tflops_max'] for r in floored):.3g} TFLOP/s, "
+                f"a copy {floored[0]['floor']['bandwidth_gbs']:.0f} GB/s."
+            ),
+            legend=[
+                ("floor ms", "NS FLOPs at the measured GEMM rates + state bytes at the bandwidth"),
+                ("NS at GEMM ms", "the rank's Newton-Schulz FLOPs at the measured GEMM rates"),
+                ("state GB", "the step's unavoidable memory traffic (docs/benchmarks.md)"),
+                ("step ÷ floor", "1.00: the step does nothing but its GEMMs and one pass"),
+            ],
+        )
     offloaded = [r for r in rows if r.get("host_device_gb_per_rank")]
     if offloaded:
         print_table(

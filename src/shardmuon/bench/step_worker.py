@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardmuon.bench.common import name_seed
+from shardmuon.bench.floor import measure_floor, optimizer_params
 from shardmuon.bench.launch import RankContext
 from shardmuon.bench.memory import StepMemory, live_bytes, measure_cpu_step
 from shardmuon.bench.optimizers import make_optimizer, shardmuon_options
@@ -261,6 +262,9 @@ def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, bar: 
             ns_calls=[list(c) for c in stats.ns_calls],
             ns_times_s=replay_newton_schulz(opt, stats.ns_calls, ctx, cfg.ns_repeats),
         )
+        bar.phase(f"{impl}: the step's floor (GEMM rates, bandwidth)")
+        floor = measure_floor(stats.ns_calls, opt._plan.ns_cost, optimizer_params(opt), ctx.device)
+        result["floor"] = floor.as_dict()
     del opt
     gc.collect()
     return result
