@@ -28,7 +28,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "GRAM_READY_RANGE",
     "fused_normalize_available",
+    "gram_ready_into",
+    "gram_ready_reference",
     "normalize_into",
     "normalize_into_reference",
     "normalize_unit_into",
@@ -96,8 +99,12 @@ def _kernel():
     @triton.jit
     def normalize_kernel(
         X, OUT, NORM, NONFINITE, FLOOR, eps, n, stride_b, stride_r, stride_c, numel,
-        IN_BF16: tl.constexpr, OUT_KIND: tl.constexpr, UNIT: tl.constexpr, BLOCK: tl.constexpr,
+        IN_BF16: tl.constexpr, OUT_KIND: tl.constexpr, MODE: tl.constexpr, IN_PLACE: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):  # fmt: skip
+        # MODE 0: X / (||X|| + eps). 1: X / ||X|| and the floor (AOL's unit form). 2: AOL's
+        # Gram-ready X: as it is where its norm is in [2^-30, 2^30] (in place: untouched),
+        # else scaled by the prescale (exact), zero if non-finite; and the floor.
         b = tl.program_id(1).to(tl.int64)  # offsets past 2^31 elements
         block = tl.program_id(0)
         norm = tl.load(NORM + b)  # fp64: no overflow or underflow for fp32 data
@@ -112,19 +119,28 @@ def _kernel():
         # Flagged from the norm, before eps: a finite matrix whose prescale * eps overflows
         # is divided by inf (zeros of its signs), not flagged.
         nonfinite = (scaled_norm - scaled_norm) != 0.0  # inf - inf and NaN: NaN
-        if UNIT:
+        if MODE == 0:
+            divisor = scaled_norm + prescale * eps
+        else:
             # X / ||X|| (a zero matrix stays zero) and the floor ||X|| / (||X|| + eps).
             tiny = 1.1754943508222875e-38  # fp32's smallest normal, 2^-126 (exact)
             divisor = tl.maximum(scaled_norm, tiny)
             if block == 0:
                 floor = tl.math.div_rn(scaled_norm, tl.maximum(scaled_norm + prescale * eps, tiny))
                 tl.store(FLOOR + b, tl.where(nonfinite, 0.0, floor))
-        else:
-            divisor = scaled_norm + prescale * eps
         if block == 0:
             tl.store(NONFINITE + b, nonfinite.to(tl.int8))
         i = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = i < numel
+        if MODE == 2:
+            low = 9.313225746154785e-10  # 2^-30
+            high = 1073741824.0  # 2^30
+            outside = nonfinite | (norm < low) | (norm > high)
+            prescale = tl.where(outside, prescale, 1.0)
+            if IN_PLACE:
+                # Only the matrices the Gram cannot take as they are are read and written:
+                # the others' programs touch no element.
+                inside = tl.where(outside, inside, 0) != 0
         row = i // n
         col = i - row * n
         where = X + b * stride_b + row * stride_r + col * stride_c
@@ -134,7 +150,10 @@ def _kernel():
             x = (raw_in.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         else:
             x = tl.load(where, mask=inside, other=0.0).to(tl.float32)
-        q = tl.math.div_rn(x * prescale, divisor)
+        if MODE == 2:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
+            q = x * prescale  # exact: a power of two, or 1
+        else:
+            q = tl.math.div_rn(x * prescale, divisor)
         q = tl.where(nonfinite, 0.0, q)
         target = OUT + b * numel + i
         if OUT_KIND == 1:
@@ -161,11 +180,13 @@ def launch(
     out: Tensor,
     nonfinite: Tensor,
     floor: Tensor | None = None,
+    gram_ready: bool = False,
 ) -> None:
     """The Triton kernel on ``X[B, m, n]`` (fp32, bf16 or fp16, any strides), ``norm`` its
     ``[B]`` fp64 Frobenius norms, ``out`` a contiguous ``[B, m, n]`` (fp32, bf16 or fp16;
     ``X`` itself when ``X`` is contiguous), ``nonfinite`` a ``[B]`` bool; with ``floor`` (an
-    fp32 ``[B]``) AOL's two factors instead (:func:`normalize_unit_into`). Runs wherever
+    fp32 ``[B]``) AOL's two factors instead (:func:`normalize_unit_into`), and with
+    ``gram_ready`` as well AOL's Gram-ready input (:func:`gram_ready_into`). Runs wherever
     the tensors live (CUDA; a CPU under ``TRITON_INTERPRET=1``)."""
     batch, rows, cols = X.shape
     numel = rows * cols
@@ -180,7 +201,8 @@ def launch(
     _kernel()[grid](
         source, target, norm, nonfinite.view(torch.int8), norm if floor is None else floor,
         float(eps), cols, *X.stride(), numel, IN_BF16=X.dtype == torch.bfloat16,
-        OUT_KIND=_OUT_KINDS[out.dtype], UNIT=floor is not None, BLOCK=_BLOCK,
+        OUT_KIND=_OUT_KINDS[out.dtype], MODE=2 if gram_ready else int(floor is not None),
+        IN_PLACE=out.data_ptr() == X.data_ptr(), BLOCK=_BLOCK,
         enable_fp_fusion=False,  # no FMA: each operation rounds as the torch op does
     )  # fmt: skip
 
@@ -217,6 +239,56 @@ def normalize_unit_into_reference(
     torch.div(X * prescale, denom.clamp_min_(_FP32_TINY), out=out)  # a zero matrix stays 0
     out.masked_fill_(bad, 0.0)
     nonfinite.copy_(bad.flatten())
+
+
+# AOL's Gram takes a matrix as it is where its norm lies in [2^-30, 2^30]: its Gram entries
+# then neither overflow nor underflow in bf16 or fp32 (AOL's scaling does not depend on X's
+# scale, only its row sums must be representable).
+GRAM_READY_RANGE = (2.0**-30, 2.0**30)
+
+
+def gram_ready_reference(
+    X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: Tensor, floor: Tensor
+) -> None:
+    """:func:`gram_ready_into` in torch ops (its meaning, and where Triton is not used)."""
+    norm64 = norm.reshape(-1, 1, 1)
+    exponent = torch.frexp(norm64).exponent.clamp_(-126, 126)
+    prescale = torch.ldexp(torch.ones_like(norm64, dtype=torch.float32), -exponent)
+    denom = (norm64 * prescale).to(torch.float32)
+    bad = ~torch.isfinite(denom)
+    unit_floor = denom / (denom + prescale * eps).clamp_min_(_FP32_TINY)
+    floor.copy_(unit_floor.masked_fill_(bad, 0.0).flatten())
+    low, high = GRAM_READY_RANGE
+    outside = bad | (norm64 < low) | (norm64 > high)
+    # X * 1 is X; X * 2^-e is exact; one rounding into out's dtype
+    torch.mul(X, torch.where(outside, prescale, 1.0), out=out)
+    out.masked_fill_(bad, 0.0)
+    nonfinite.copy_(bad.flatten())
+
+
+@torch.library.custom_op("shardmuon::gram_ready_into", mutates_args=("out", "nonfinite", "floor"))
+def gram_ready_into(
+    X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: Tensor, floor: Tensor
+) -> None:
+    """AOL's input without a normalisation pass: each matrix of ``X[B, m, n]`` into the
+    contiguous ``out`` (``X`` itself: in place) as it is where its fp64 ``norm`` lies in
+    ``GRAM_READY_RANGE``, else scaled by the power of two that brings its norm into
+    ``[0.5, 1)`` (exact), zero where the norm is not finite (flagged in ``nonfinite[B]``);
+    the fp32 ``floor[B]`` is ``||X|| / (||X|| + eps)`` (0 for a flagged matrix). One Triton
+    kernel on CUDA; in place, its programs touch no element of a matrix left as it is."""
+    if X.device.type == "cuda":
+        with torch.cuda.device(X.device):
+            run_or_fall_back(
+                lambda: launch(X, norm, eps, out, nonfinite, floor, gram_ready=True),
+                lambda: gram_ready_reference(X, norm, eps, out, nonfinite, floor),
+            )
+    else:
+        gram_ready_reference(X, norm, eps, out, nonfinite, floor)
+
+
+@gram_ready_into.register_fake
+def _gram_ready_into_fake(X, norm, eps, out, nonfinite, floor) -> None:
+    return None
 
 
 @torch.library.custom_op(

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from shardmuon.ops.normalize import Normalized, normalize, normalize_unit
+from shardmuon.ops.normalize import Normalized, gram_ready, normalize, normalize_unit
 
 __all__ = [
     "NS_PRESETS",
@@ -214,7 +214,10 @@ def orthogonalize_with(
     in_place = overwrite_input and X.dtype == dtype and X.is_contiguous() and not transposed
     out = X if in_place else None
     if check_preconditioner(preconditioner) == "aol":
-        (X, nonfinite), floor = normalize_unit(X, eps, dtype, out=out)
+        # Turbo-Muon's AOL: no normalisation pass (the scaling does not depend on X's scale;
+        # only matrices out of the Gram's range are scaled), fp16 excepted.
+        prepare = normalize_unit if dtype == torch.float16 else gram_ready
+        (X, nonfinite), floor = prepare(X, eps, dtype, out=out)
         X = iterate(X, coeffs, preconditioner="aol", eps_floor=floor)
     else:
         X, nonfinite = normalize(X, eps, dtype, out=out)

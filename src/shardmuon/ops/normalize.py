@@ -31,7 +31,9 @@ import torch
 from torch import Tensor
 
 from shardmuon.ops.fused_normalize import (
+    GRAM_READY_RANGE,
     fused_normalize_available,
+    gram_ready_into,
     normalize_into,
     normalize_unit_into,
 )
@@ -40,6 +42,7 @@ __all__ = [
     "NORMALIZE_CHUNK_ELEMENTS",
     "Normalized",
     "frobenius_norm_fp32",
+    "gram_ready",
     "normalize",
     "normalize_unit",
     "normalize_without_sync",
@@ -185,6 +188,58 @@ def _normalize(
         if unit:
             floor[nonfinite] = 0.0
     return Normalized(out, nonfinite), None if floor is None else floor.flatten()
+
+
+def gram_ready(
+    X: Tensor, eps: float, dtype: torch.dtype = torch.bfloat16, out: Tensor | None = None
+) -> tuple[Normalized, Tensor]:
+    """AOL's input with no normalisation pass (Turbo-Muon's): ``X[B, m, n]`` in ``dtype``, a
+    matrix as it is where its norm lies in ``GRAM_READY_RANGE`` (its Gram matrix then
+    neither overflows nor underflows, and AOL's scaling does not depend on ``X``'s scale),
+    else scaled by a power of two (exact) that brings its norm into ``[0.5, 1)``; non-finite
+    matrices zeroed and flagged; and the fp32 ``[B]`` floor ``||X|| / (||X|| + eps)``
+    (0 for a flagged matrix) for :func:`shardmuon.ops.newton_schulz.aol_rescale_`.
+
+    The norms are those of ``X`` as given (a wider input is scaled before it is rounded to
+    ``dtype``). In place (``out`` is ``X``, already in ``dtype``) ``X`` is read once for its
+    norms and written only where a matrix is out of range (on a CPU decided on the host;
+    elsewhere by one kernel whose programs skip the others, with Triton); otherwise the
+    cast into ``out`` (or a new contiguous tensor) is the one pass. Not for fp16, whose
+    range is too narrow for the Gram matrix of an unscaled ``X`` (:func:`normalize_unit`).
+    """
+    if dtype == torch.float16:
+        raise ValueError("gram_ready: fp16 needs the unit normalisation (normalize_unit)")
+    if X.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        X = X.float()
+    if out is None:
+        out = torch.empty(X.shape, dtype=dtype, device=X.device)
+    in_place = out.data_ptr() == X.data_ptr() and out.dtype == X.dtype
+    batch = X.size(0)
+    if X.device.type != "cpu":
+        norm64 = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float64)
+        nonfinite = torch.empty(batch, dtype=torch.bool, device=X.device)
+        floor = torch.empty(batch, dtype=torch.float32, device=X.device)
+        gram_ready_into(X, norm64, eps, out, nonfinite, floor)
+        return Normalized(out, nonfinite), floor
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float32)
+    low, high = GRAM_READY_RANGE
+    outside = [i for i, v in enumerate(norm.tolist()) if not low <= v <= high]  # NaN too
+    floor = norm / (norm + eps)  # in range: no 0 / 0
+    nonfinite = torch.zeros(batch, dtype=torch.bool, device=X.device)
+    if not in_place:
+        out.copy_(X)
+    for i in outside:  # the rare path: one matrix, one fp32 copy at a time
+        scaled = X[i].to(torch.float32, copy=True)
+        scale = _power_of_two_below(torch.linalg.vector_norm(scaled, ord=math.inf))
+        exact = torch.linalg.vector_norm(scaled.mul_(scale))  # ||scale X||: representable
+        if not torch.isfinite(exact):
+            nonfinite[i] = True
+            floor[i] = 0.0
+            out[i] = 0
+            continue
+        floor[i] = exact / (exact + scale * eps).clamp_min(_FP32_TINY)  # 0 / 0: 0
+        out[i] = scaled.mul_(_power_of_two_below(exact))  # norm into [0.5, 1); zero stays 0
+    return Normalized(out, nonfinite), floor
 
 
 def normalize_without_sync(X: Tensor, eps: float, out: Tensor) -> Normalized:
