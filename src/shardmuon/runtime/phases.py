@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardmuon.ops.fused_momentum import momentum_direction_into
 from shardmuon.ops.fused_update import fused_update_available
 from shardmuon.ops.orthogonalizer import Orthogonalizer
 from shardmuon.ops.partitions import orthogonalize_blocks
@@ -240,8 +241,8 @@ def update_all_momenta(ctx: StepContext, runs: list[BatchRun]) -> None:
     by_mu: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
     ready: list[BatchRun] = []
     for run in runs:
-        if run.momentum_done:
-            continue
+        if run.momentum_done or _fused_momentum_segments(ctx, run) is not None:
+            continue  # (the fused pass updates the latter's momenta in *prepare*)
         pairs = []
         for seg in run.segments:
             p = ctx.plan.params[seg.param_index]
@@ -336,12 +337,56 @@ def _buffer_shape(run: BatchRun) -> tuple[int, int, int]:
     return (run.count, layout.local_rows, layout.local_cols)
 
 
+def _fused_momentum_segments(
+    ctx: StepContext, run: BatchRun
+) -> list[tuple[Tensor, Tensor, float, bool]] | None:
+    """``(momentum, grad, mu, nesterov)`` of each segment where one fused pass per segment
+    updates the momentum and writes the direction (``ops/fused_momentum.py``): on an
+    accelerator with the fused kernels, a run not started that computes its own directions,
+    every momentum fp32, contiguous and written where it lies (or staged). ``None``
+    otherwise."""
+    if (
+        run.momentum_done
+        or run.receives_from_replica
+        or not run.segments
+        or not fused_update_available(ctx.device)
+    ):
+        return None
+    segments = []
+    for k, seg in enumerate(run.segments):
+        momentum, commit = _segment_momentum(ctx, run, k)
+        if commit is not _nothing or momentum.dtype != torch.float32:
+            return None
+        if not momentum.is_contiguous():
+            return None
+        grad = ctx.matrices(seg.param_index, ctx.grad(ctx.plan.params[seg.param_index]))
+        hyper = ctx.hyperparams_of(seg.param_index)
+        segments.append((momentum, grad[seg.start : seg.stop], hyper.mu, hyper.nesterov))
+    return segments
+
+
 def prepare(ctx: StepContext, run: BatchRun) -> None:
-    """Phase 1: momentum, the bf16 directions in the batch's buffer; the gather starts."""
-    _update_momentum(ctx, run)
+    """Phase 1: momentum, the bf16 directions in the batch's buffer; the gather starts.
+
+    On an accelerator with the fused kernels, each segment's momentum update and direction
+    are one pass (:func:`_fused_momentum_segments`); a run that failed part-way through
+    them resumes on the unfused path (the same bits)."""
+    fused = _fused_momentum_segments(ctx, run)
+    if fused is None:
+        _update_momentum(ctx, run)
     ctx.stats.num_batches += 1
     if not run.receives_from_replica and run.segments:
-        run.buffer = _directions(ctx, run)
+        if fused is None:
+            run.buffer = _directions(ctx, run)
+        else:
+            buffer = torch.empty(_buffer_shape(run), dtype=torch.bfloat16, device=ctx.device)
+            offset = 0
+            for (momentum, grad, mu, nesterov), seg in zip(fused, run.segments):
+                target = buffer[offset : offset + seg.count]
+                momentum_direction_into(momentum, grad, mu, nesterov, target)
+                run.momentum_done += 1
+                offset += seg.count
+            run.buffer = buffer
         start_gather(ctx, run)
     run.prepared = True
 

@@ -1,0 +1,103 @@
+"""The step's accelerator branch (the fused passes: momentum and direction, decay and
+update; ``runtime/phases.py``) taken on a CPU, where each fused op runs its torch reference:
+bitwise the CPU branch's step on random groups (Nesterov or not, fp32 and bf16 parameters,
+partitioned rows, stacks over several batches, offload, ``step_chunk`` rounds), and a
+momentum pass that failed part-way resumes without updating a momentum twice."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import shardmuon.ops.update as update_module
+import shardmuon.runtime.phases as phases
+from shardmuon import Muon
+
+
+def _model(seed: int):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    params = []
+    for _ in range(rng.randint(3, 6)):
+        shape = rng.choice([(16, 24), (24, 16), (6, 16, 12), (32, 16)])
+        dtype = rng.choice([torch.float32, torch.float32, torch.bfloat16])
+        params.append(torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.1).to(dtype)))
+    group = {"params": params, "lr": 0.02, "weight_decay": rng.choice([0.0, 0.1])}
+    partitions = {p: (8, 8, 16) for p in params if p.shape == (32, 16)}
+    options = dict(
+        nesterov=rng.random() < 0.5,
+        workspace_bytes=rng.choice([4096, 1 << 20]),
+        offload=rng.choice([None, "state"]),
+    )
+    return params, group, partitions, options
+
+
+def _steps(seed: int, accelerator: bool, monkeypatch, chunked: bool = False):
+    """Three steps of a random model; its parameters, its momenta and how many fused
+    momentum passes ran."""
+    fused = []
+    if accelerator:
+        real = phases.momentum_direction_into
+        monkeypatch.setattr(phases, "fused_update_available", lambda device: True)
+        monkeypatch.setattr(update_module, "fused_update_available", lambda device: True)
+        monkeypatch.setattr(
+            phases, "momentum_direction_into", lambda *a: (fused.append(1), real(*a))[1]
+        )
+    params, group, partitions, options = _model(seed)
+    opt = Muon([group], matrix_partitions=partitions, **options)
+    gen = torch.Generator().manual_seed(seed + 7)
+    for _ in range(3):
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
+        if chunked:
+            for chunk in opt.chunks():
+                opt.step_chunk(chunk)
+        else:
+            opt.step()
+    monkeypatch.undo()
+    momenta = [s["momentum"].clone() for s in opt.state.values() if "momentum" in s]
+    return [p.detach().clone() for p in params] + momenta, len(fused)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["step", "step_chunk"])
+def test_the_accelerator_branch_gives_the_cpu_branchs_bits(monkeypatch, chunked) -> None:
+    for seed in range(8):
+        got, fused = _steps(seed, True, monkeypatch, chunked)
+        want, _ = _steps(seed, False, monkeypatch, chunked)
+        assert fused > 0, seed  # the fused pass ran
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), seed
+
+
+def test_a_momentum_pass_that_failed_part_way_resumes_once(monkeypatch) -> None:
+    """The fused pass raises on its second segment: the first segment's momentum is
+    updated; the retried chunk updates the rest only (the same bits as no failure)."""
+    monkeypatch.setattr(phases, "fused_update_available", lambda device: True)
+    monkeypatch.setattr(update_module, "fused_update_available", lambda device: True)
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(16, 24, generator=gen)) for _ in range(3)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = Muon(params, lr=0.02), Muon(twins, lr=0.02)
+    for p, t in zip(params, twins):
+        p.grad = torch.randn(16, 24, generator=gen)
+        t.grad = p.grad.clone()
+    real, seen = phases.momentum_direction_into, []
+
+    def failing(*args):
+        seen.append(1)
+        if len(seen) == 2:
+            raise RuntimeError("CUDA out of memory (injected)")
+        real(*args)
+
+    monkeypatch.setattr(phases, "momentum_direction_into", failing)
+    chunks = opt.chunks()
+    assert len(chunks) == 1  # one batch of three segments
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step_chunk(chunks[0])
+    opt.step_chunk(chunks[0])
+    ref.step()
+    for a, b in zip(params, twins):
+        assert torch.equal(a, b)
+    for a, b in zip(opt.state.values(), ref.state.values()):
+        assert torch.equal(a["momentum"], b["momentum"])
