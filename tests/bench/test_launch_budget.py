@@ -99,12 +99,13 @@ def test_aol_keeps_the_plan_and_fuses_its_normalisation() -> None:
     """AOL's step on the accelerator path: the same 75 batches (its workspace estimate counts
     what it allocates, not CPU copies an accelerator does not make), no host sync, and no
     normalisation pass: the norm, then one kernel that writes only matrices out of the
-    Gram's range, where Triton imports (today 2,019 kernels with Triton)."""
+    Gram's range, and its two m x m passes one kernel each, where Triton imports (today
+    1,738 kernels with Triton)."""
     options = (("newton_schulz_preconditioner", "aol"),)
     report = measure_preset(KernelConfig(device_path="accelerator", options=options))
     assert report.batches == 75
     assert report.total.syncs == 0
-    assert report.total.kernels <= (2_050 if TRITON else 3_700), report.table()
+    assert report.total.kernels <= (1_760 if TRITON else 3_700), report.table()
     if TRITON:
         assert report.operators["shardmuon.gram_ready_into.default"] == 75
 

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from shardmuon.ops.fused_aol import aol_fold_, aol_scale_gram_, fused_aol_supported
+from shardmuon.ops.fused_normalize import fused_normalize_available
 from shardmuon.ops.normalize import Normalized, gram_ready, normalize, normalize_unit
 
 __all__ = [
@@ -305,6 +307,8 @@ def aol_row_scales_(X: Tensor, A: Tensor, eps_floor: Tensor | None = None) -> Te
         # in place and writing back (the same fp32 temporary: the mixed one makes it too).
         # D A D as (a d_i) d_j here, a (d_i d_j) below: both fp32, rounded once into A.
         A.copy_(A_wide.mul_(d.unsqueeze(-1)).mul_(d.unsqueeze(-2)))
+    elif _fused_aol(A, d):
+        aol_scale_gram_(A, d)  # one kernel, the same bits
     else:
         A.mul_(d.unsqueeze(-1) * d.unsqueeze(-2))
     if narrow:
@@ -312,10 +316,22 @@ def aol_row_scales_(X: Tensor, A: Tensor, eps_floor: Tensor | None = None) -> Te
     return d
 
 
+def _fused_aol(M: Tensor, d: Tensor) -> bool:
+    """Whether AOL's ``m x m`` passes on ``M`` run as one Triton kernel each
+    (``ops/fused_aol.py``): on an accelerator with Triton, fp32 scales, a contiguous bf16 or
+    fp32 ``[B, m, m]``."""
+    return (
+        fused_normalize_available(M.device) and d.dtype == torch.float32 and fused_aol_supported(M)
+    )
+
+
 def _fold_row_scales_(B: Tensor, d: Tensor, a: float) -> None:
     """``B <- (B + a I) D`` in place (``D = diag(d)`` scales the columns), in ``d``'s dtype and
     rounded once: the first AOL iteration's ``a D X + B D X`` becomes one product with the
     unscaled ``X``, an ``m x m`` pass instead of an ``m x n`` one."""
+    if _fused_aol(B, d):
+        aol_fold_(B, d, a)  # one kernel, the same bits
+        return
     wide = B if B.dtype == d.dtype else B.to(d.dtype)
     wide.diagonal(dim1=-2, dim2=-1).add_(a)
     wide.mul_(d.unsqueeze(-2))
