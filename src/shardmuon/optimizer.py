@@ -140,10 +140,10 @@ class Muon(Optimizer):
         workspace_bytes: each rank's budget for the step's transient buffers
             (``planning/workspace.py``): batches enter flight while their bytes fit, local
             stacks are cut to fit; a batch larger than the budget runs alone. ``"auto"``
-            (default): 512 MiB on a CPU; on CUDA a sixteenth of the device's memory, at
-            most half of what is free when the optimizer is built, in whole 256 MiB, at
-            least 512 MiB (``device_workspace_bytes``); resolved once, then an int like a
-            given one (agreed by every rank, kept by copies).
+            (default): 512 MiB on a CPU; on CUDA a sixteenth of the GPU's memory in whole
+            256 MiB, at least 512 MiB (``device_workspace_bytes``; a warning where less than
+            twice that is free); resolved once, then an int like a given one (agreed by
+            every rank, kept by copies).
         offload, offload_prefetch: ``"state"``: the state in pinned host memory, each chunk's
             streamed in ``offload_prefetch`` chunks ahead (``runtime/offload.py``); same bits.
         newton_schulz_impl: the engine (``ops/engines.py``): ``"folded"`` (default),
@@ -313,16 +313,33 @@ class Muon(Optimizer):
             self.coefficients, self._default_coefficients, self.newton_schulz_preconditioner
         )
         check_optimizer_settings(self._settings(), NS_CHOICES, OFFLOAD_CHOICES, OVERLAP_CHOICES)
-        if self.workspace_bytes == "auto" and hasattr(self, "param_groups"):
+        if hasattr(self, "param_groups"):
+            self._workspace_budget()
+
+    def _workspace_budget(self) -> int:
+        """``workspace_bytes``, with ``"auto"`` resolved (and kept) on first read."""
+        if self.workspace_bytes == "auto":
             self.workspace_bytes = self._auto_workspace_bytes()
+        return self.workspace_bytes
 
     def _auto_workspace_bytes(self) -> int:
-        """``workspace_bytes="auto"`` on this optimizer's device."""
+        """``workspace_bytes="auto"`` on this optimizer's device (a warning where less than
+        twice that is free now: the step may then run out of memory)."""
         device = self._device()
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            return device_workspace_bytes(total, free)
-        return DEFAULT_WORKSPACE_BYTES
+        if device.type != "cuda":
+            return DEFAULT_WORKSPACE_BYTES
+        free, total = torch.cuda.mem_get_info(device)
+        budget = device_workspace_bytes(total)
+        if free < 2 * budget:
+            warnings.warn(
+                f"workspace_bytes='auto' gives {budget / 2**30:.2f} GiB (a sixteenth of "
+                f"{device}'s memory) but {free / 2**30:.2f} GiB is free on it now; if the "
+                "step runs out of memory, pass a smaller workspace_bytes (the same on every "
+                "rank)",
+                UserWarning,
+                stacklevel=4,
+            )
+        return budget
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (validated as in the constructor); the plan is rebuilt.
@@ -368,7 +385,7 @@ class Muon(Optimizer):
             self.update_rms,
             self.rotate_owners,
             self.split_replicas,
-            self.workspace_bytes,
+            self._workspace_budget(),
             self._newton_schulz_settings().cost(self._device().type),
             self.adamw_chunks,
             self._plain_replica_ranks(),
@@ -491,9 +508,11 @@ class Muon(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None, state_offloader: Any = None) -> Any:
         """One optimizer step over all chunks, pipelined (``runtime/pipeline.py``). If it
         raises in a check, nothing changed; if later (out of memory, a failed collective),
-        counters and momenta have advanced and finished chunks are updated, the rest not:
-        restore a checkpoint rather than step again. ``state_offloader`` (prime-rl's
-        streamed offload for dion) is refused: see the message."""
+        counters and momenta have advanced (and, where no fused update kernel runs, the
+        weight decay of the fp32 parameters updated in place: it is applied to all of them
+        first), finished chunks are updated, the rest not: restore a checkpoint rather than
+        step again (``step_chunk`` resumes a chunk that raised). ``state_offloader``
+        (prime-rl's streamed offload for dion) is refused: see the message."""
         if state_offloader is not None:
             raise TypeError(
                 f"Muon.step(state_offloader={type(state_offloader).__name__}(...)) is prime-rl's "
@@ -586,7 +605,7 @@ class Muon(Optimizer):
             orthogonalizer=self._newton_schulz_settings().orthogonalizer(self._auto_choices),
             coefficients=self.coefficients,
             device=self._device(),
-            workspace_bytes=self.workspace_bytes,
+            workspace_bytes=self._workspace_budget(),
         )
 
     @torch.no_grad()
@@ -654,7 +673,7 @@ class Muon(Optimizer):
     def _step_schedule(self) -> list[tuple[str, int]]:
         """The schedule (overlapped: the batches in the forward's order)."""
         order = None if self.overlap is None else forward_order(self._plan.batches)
-        return self._schedule.get(self._plan, self.workspace_bytes, self.max_in_flight, order)
+        return self._schedule.get(self._plan, self._workspace_budget(), self.max_in_flight, order)
 
     def _check_live_agreement(self) -> None:
         """Every step, before anything validates or replans: the ranks of the last agreed

@@ -84,7 +84,7 @@ def test_the_update_against_its_spelled_out_roundings() -> None:
         param = torch.randn(count, rows, cols, generator=gen)
         dtype = rng.choice([torch.bfloat16, torch.float32])
         ortho = (torch.randn(count, rows, cols, generator=gen) * 10 ** rng.uniform(-3, 3)).to(dtype)
-        lr = rng.choice([0.02, 1e-3, -0.37, 0.0, -0.0, 3.3e-5])
+        lr = rng.choice([0.02, 1e-3, -0.37, 0.0, -0.0, 3.3e-5, 1e39, -1e300, 1e-45])
         wd = rng.choice([0.0, 0.1])
         cut = rng.randint(0, rows)
         ranges = [(0, cut, rng.random() * 3), (cut, rows, rng.random() * 3)]

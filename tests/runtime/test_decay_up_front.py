@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 import shardmuon.runtime.pipeline as pipeline
@@ -74,3 +75,32 @@ def test_a_run_decayed_up_front_is_not_decayed_again(monkeypatch) -> None:
     p.grad = torch.zeros_like(p)
     opt.step()
     assert torch.equal(p.detach(), start * (1.0 - 0.1 * 0.5))
+
+
+def test_a_step_that_fails_midway_leaves_what_its_docstring_says(monkeypatch) -> None:
+    """Out of memory in the second Newton–Schulz call: the first chunk is updated, the rest
+    are decayed (the step decays every fp32 parameter first) and not updated; momenta have
+    all advanced. ``step()``'s docstring says so; ``step_chunk`` is the resumable path."""
+    import shardmuon.runtime.phases as phases
+
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(16, 24, generator=gen)) for _ in range(3)]
+    opt = Muon(params, lr=0.1, weight_decay=0.5, workspace_bytes=4096)
+    assert len(opt.chunks()) == 3
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.randn(16, 24, generator=gen)
+    real, calls = phases.StepContext.orthogonalize, []
+
+    def failing(self, U, batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(self, U, batch)
+
+    monkeypatch.setattr(phases.StepContext, "orthogonalize", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step()
+    decayed = [torch.equal(p.detach(), b * (1 - 0.1 * 0.5)) for p, b in zip(params, before)]
+    assert decayed.count(True) == 2  # decayed, not updated
+    assert not any(torch.equal(p.detach(), b) for p, b in zip(params, before))

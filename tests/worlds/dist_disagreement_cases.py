@@ -8,6 +8,7 @@ their own.
 from __future__ import annotations
 
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,17 @@ def _lr(ctx: Context) -> None:
         opt.param_groups[0]["lr"] = 0.02
     last = ctx.world_size - 1
     _every_rank_refuses(ctx, opt, ["lr (", f"rank {last}: 0.02", ": 0.01"])
+
+
+@case("auto_workspace_differs_names_it_and_says_pass_an_int")
+def _auto_workspace(ctx: Context) -> None:
+    """GPUs of different sizes: ``workspace_bytes="auto"`` resolves differently (stood in
+    for here); every rank refuses the step, naming the setting and the way out."""
+    budget = 2**20 if _last(ctx) else 2**21
+    with mock.patch.object(Muon, "_auto_workspace_bytes", lambda self: budget):
+        _, opt = _build(ctx, MUON, workspace_bytes="auto")
+    assert opt.workspace_bytes == budget
+    _every_rank_refuses(ctx, opt, ["workspace_bytes (", "pass the same int on every rank"])
 
 
 @case("momentum_alias_differs_names_mu")

@@ -10,11 +10,11 @@ at the rates this device reaches, measured in the same run.
   timed here; each distinct shape once. What the GEMM library reaches on these shapes, not
   the data sheet's peak.
 * **Bytes**: the traffic no implementation of the step avoids, per element of a parameter
-  with ``p``-byte values and ``g``-byte grads: Muon ``14 + g + 2p`` (the momentum read and
-  written in fp32 and the grad read; the bf16 direction written and read once for its
-  norm; the bf16 result read; the parameter read and written), AdamW ``16 + g + 2p`` (two
-  fp32 moments read and written), Sinkhorn ``8 + g + 2p``. The Newton-Schulz iterations'
-  own reads and writes are in the GEMM rate.
+  with ``p``-byte values, ``g``-byte grads and ``s``-byte state: Muon ``2s + g + 6 + 2p``
+  (the momentum read and written and the grad read; the bf16 direction written and read
+  once for its norm; the bf16 result read; the parameter read and written), AdamW
+  ``4s + g + 2p`` (two moments read and written), Sinkhorn ``2s + g + 2p``. The
+  Newton-Schulz iterations' own reads and writes are in the GEMM rate.
 * **Bandwidth**: a device-to-device copy of ``copy_bytes`` (read and written), timed here.
 
 ``shardmuon bench step`` prints the step beside it (docs/benchmarks.md, "The step's
@@ -42,8 +42,10 @@ __all__ = [
     "step_bytes",
 ]
 
-# Bytes per element beyond the grad (g) and the parameter read and written (2p).
-_EXTRA_BYTES = {"muon": 14, "adamw": 16, "sinkhorn": 8}
+# Per element: state tensors read and written, and bytes beyond them, the grad (g) and the
+# parameter read and written (2p): the bf16 direction and result.
+_STATE_TENSORS = {"muon": 1, "adamw": 2, "sinkhorn": 1}
+_EXTRA_BYTES = {"muon": 6, "adamw": 0, "sinkhorn": 0}
 
 
 @dataclass(frozen=True)
@@ -66,13 +68,16 @@ class StepFloor:
         return {**asdict(self), "seconds": self.seconds}
 
 
-def step_bytes(params: Iterable[tuple[str, int, int, int]]) -> int:
-    """The step's unavoidable memory traffic for ``(algorithm, elements, p, g)`` entries
-    (a parameter's local elements, its value's and its grad's bytes per element)."""
-    return sum(
-        elements * (_EXTRA_BYTES.get(algorithm, _EXTRA_BYTES["muon"]) + g + 2 * p)
-        for algorithm, elements, p, g in params
-    )
+def step_bytes(params: Iterable[tuple[str, int, int, int, int]]) -> int:
+    """The step's unavoidable memory traffic for ``(algorithm, elements, p, g, s)`` entries
+    (a parameter's local elements, its value's, its grad's and its state's bytes per
+    element)."""
+    total = 0
+    for algorithm, elements, p, g, s in params:
+        kind = algorithm if algorithm in _STATE_TENSORS else "muon"
+        per_element = 2 * s * _STATE_TENSORS[kind] + _EXTRA_BYTES[kind] + g + 2 * p
+        total += elements * per_element
+    return total
 
 
 def gemm_rate(shape: Sequence[int], device: torch.device, repeats: int = 5) -> float:
@@ -96,7 +101,7 @@ def memory_bandwidth(device: torch.device, copy_bytes: int, repeats: int = 5) ->
 def measure_floor(
     calls: Sequence[Sequence[int]],
     cost: EngineCost,
-    params: Iterable[tuple[str, int, int, int]],
+    params: Iterable[tuple[str, int, int, int, int]],
     device: torch.device,
     copy_bytes: int | None = None,
     repeats: int = 5,
@@ -130,7 +135,7 @@ def measure_floor(
     )
 
 
-def optimizer_params(opt: Any) -> list[tuple[str, int, int, int]]:
+def optimizer_params(opt: Any) -> list[tuple[str, int, int, int, int]]:
     """:func:`step_bytes`'s entries for every parameter with a grad that a
     ``shardmuon.Muon`` steps (this rank's local shard of each)."""
     from shardmuon.planning.placements import local_tensor
@@ -142,8 +147,10 @@ def optimizer_params(opt: Any) -> list[tuple[str, int, int, int]]:
                 continue
             local = local_tensor(p)
             grad = local_tensor(p.grad)
+            state = opt.state.get(p, {}).get("momentum")
+            size = local_tensor(state).element_size() if state is not None else 4
             entries.append(
                 (group.get("algorithm", "muon"), local.numel(), local.element_size(),
-                 grad.element_size())
+                 grad.element_size(), size)
             )  # fmt: skip
     return entries

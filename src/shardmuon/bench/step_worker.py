@@ -263,6 +263,7 @@ def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, bar: 
             ns_times_s=replay_newton_schulz(opt, stats.ns_calls, ctx, cfg.ns_repeats),
         )
         bar.phase(f"{impl}: the step's floor (GEMM rates, bandwidth)")
+        ctx.barrier()  # every rank probes at once, as every rank steps at once
         floor = measure_floor(stats.ns_calls, opt._plan.ns_cost, optimizer_params(opt), ctx.device)
         result["floor"] = floor.as_dict()
     del opt

@@ -111,10 +111,12 @@ class EngineCost:
         if self.preconditioner == "aol":
             # The fp32 row sums and scales, and one fp32 m x m at a time (A widened on a CPU
             # or the outer product of the scales elsewhere; then B widened for the fold);
-            # fp16 scales X itself instead of folding, through an fp32 copy on a CPU.
-            iteration += FP32 * small + 2 * FP32 * count * m
+            # fp16 scales X itself instead of folding, through an fp32 copy on a CPU, and
+            # holds its rows' squares and diagonal in fp32. The norms, the floor and the
+            # non-finite flags (9 bytes a matrix) live through the iteration.
+            iteration += FP32 * small + 2 * FP32 * count * m + (2 * FP32 + 1) * count
             if self.dtype == torch.float16:
-                iteration += FP32 * total
+                iteration += FP32 * total + 2 * FP32 * count * m
         peak = max(division, rare, iteration, cast)
         if guard_enabled(name, self.guard):
             # O in fp32 and A = O O^T, its cleaned copy, the Cholesky test's input and factor;

@@ -139,7 +139,9 @@ def _scaled_fp32(results: Tensor, factor: float) -> Tensor:
 def _cpu_factor(factor: float, sign: float, dims: int) -> Tensor:
     """``factor`` as an fp32 CPU tensor of ``dims`` unit dimensions, made once per value
     (``sign`` keeps ``-0.0`` and ``0.0`` apart: they compare equal). Never written."""
-    return torch.full((1,) * dims, factor, dtype=torch.float32)
+    # Through fp64: a factor beyond fp32's range rounds to inf, as a multiply by it does
+    # (torch.full refuses it).
+    return torch.tensor(factor, dtype=torch.float64).to(torch.float32).reshape((1,) * dims)
 
 
 def weight_updates_(

@@ -51,15 +51,16 @@ DEFAULT_WORKSPACE_BYTES = 512 * 2**20
 WORKSPACE_GRANULE = 256 * 2**20
 
 
-def device_workspace_bytes(total: int, free: int) -> int:
-    """``workspace_bytes="auto"`` on an accelerator with ``total`` bytes of memory, ``free``
-    of them free when the optimizer is built: a sixteenth of the device, at most half of what
-    is free, rounded down to whole ``WORKSPACE_GRANULE`` steps (so that ranks whose free
-    memory differs a little agree), and never below ``DEFAULT_WORKSPACE_BYTES``.
+def device_workspace_bytes(total: int) -> int:
+    """``workspace_bytes="auto"`` on an accelerator with ``total`` bytes of memory: a
+    sixteenth of it, rounded down to whole ``WORKSPACE_GRANULE`` steps, and never below
+    ``DEFAULT_WORKSPACE_BYTES``. A property of the GPU, so every rank of a job on one kind
+    of GPU gets the same (what is free differs from rank to rank, and a budget from it would
+    differ wherever it crosses a step).
 
     An H200 (141 GB) gets 8 GiB and an 80 GB H100 4.5 GiB: a call batches a whole expert
     stack of a 30B-class MoE where 512 MiB cut it into pieces."""
-    budget = min(total // 16, free // 2) // WORKSPACE_GRANULE * WORKSPACE_GRANULE
+    budget = total // 16 // WORKSPACE_GRANULE * WORKSPACE_GRANULE
     return max(DEFAULT_WORKSPACE_BYTES, budget)
 
 

@@ -620,9 +620,15 @@ def check_agreement(
             gathered: list = [None] * group.size
             dist.all_gather_object(gathered, described, group=group.process_group)
             # The same text on every rank: it names what differs, by rank.
+            difference = first_difference(gathered, group.ranks)
+            if "workspace_bytes" in difference:
+                difference += (
+                    " (workspace_bytes='auto' follows each GPU's memory: on GPUs of "
+                    "different sizes pass the same int on every rank)"
+                )
             errors.append(
                 f"the ranks of process group {list(group.ranks)} disagree on the Muon step: "
-                f"{first_difference(gathered, group.ranks)}. Every rank must build and "
+                f"{difference}. Every rank must build and "
                 "configure the optimizer the same way: the same parameters (shapes, "
                 "placements, order) and settings, and local shards laid out as their "
                 "placements say (an uneven _StridedShard made by distribute_tensor instead of "
