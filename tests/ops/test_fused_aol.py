@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from checks import same_bits
 from triton_interpreter import run_interpreted
 
 from shardmuon.ops.fused_aol import (
@@ -35,23 +36,17 @@ def _cases(seed: int):
         yield M.to((torch.bfloat16, torch.float32)[k % 2]), d, [3.4, -4.7, 0.0, 2.0][k % 4]
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    both_nan = a.isnan() & b.isnan()
-    return torch.equal(a.masked_fill(both_nan, 0).view(torch.uint8),
-                       b.masked_fill(both_nan, 0).view(torch.uint8))  # fmt: skip
-
-
 def test_the_references_are_the_torch_ops_and_the_fakes_run_on_meta() -> None:
     for M, d, a in _cases(0):
         want = M.float() * (d.unsqueeze(-1) * d.unsqueeze(-2))
         got = M.clone()
         aol_scale_gram_reference(got, d)
-        assert _same(got, want.to(M.dtype))
+        assert same_bits(got, want.to(M.dtype))
         wide = M.to(torch.float32, copy=True)
         wide.diagonal(dim1=-2, dim2=-1).add_(a)
         got = M.clone()
         aol_fold_reference(got, d, a)
-        assert _same(got, (wide * d.unsqueeze(-2)).to(M.dtype))
+        assert same_bits(got, (wide * d.unsqueeze(-2)).to(M.dtype))
     assert fused_aol_supported(torch.empty(2, 3, 3, dtype=torch.bfloat16))
     assert not fused_aol_supported(torch.empty(2, 3, 3, dtype=torch.float16))
     assert not fused_aol_supported(torch.empty(2, 3, 3).mT)
@@ -65,7 +60,8 @@ PROGRAM = textwrap.dedent(
     import sys
     import torch
     sys.path.insert(0, {tests!r})
-    from test_fused_aol import _cases, _same
+    from checks import same_bits
+    from test_fused_aol import _cases
     from shardmuon.ops.fused_aol import aol_fold_reference, aol_scale_gram_reference, launch
 
     checked = 0
@@ -78,7 +74,7 @@ PROGRAM = textwrap.dedent(
                 else:
                     aol_scale_gram_reference(want, d)
                 launch(got, d, a if fold else None)
-                if not _same(got, want):
+                if not same_bits(got, want):
                     sys.exit(f"{{M.dtype}} {{tuple(M.shape)}} fold={{fold}} a={{a}}")
                 checked += 1
     print("checked", checked)
@@ -106,4 +102,4 @@ def test_on_cuda_the_kernels_give_the_torch_ops_bits() -> None:
             else:
                 aol_scale_gram_reference(want, d)
             launch(got, d, a if fold else None)
-            assert _same(got, want)
+            assert same_bits(got, want)

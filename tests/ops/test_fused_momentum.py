@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from checks import same_bits
 from triton_interpreter import run_interpreted
 
 from shardmuon.ops.fused_momentum import (
@@ -37,12 +38,6 @@ def _cases(seed: int):
         yield M, G, [0.95, 0.9, 0.0, 0.5][k % 4], bool(k % 2)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    both_nan = a.isnan() & b.isnan()
-    return torch.equal(a.masked_fill(both_nan, 0).view(torch.uint8),
-                       b.masked_fill(both_nan, 0).view(torch.uint8))  # fmt: skip
-
-
 def test_the_reference_is_the_steps_own_ops_and_the_fake_runs_on_meta() -> None:
     for M, G, mu, nesterov in _cases(0):
         want_M = M.clone()
@@ -50,7 +45,7 @@ def test_the_reference_is_the_steps_own_ops_and_the_fake_runs_on_meta() -> None:
         want_D = direction(want_M, G, mu, nesterov).to(torch.bfloat16)
         D = torch.empty(M.shape, dtype=torch.bfloat16)
         momentum_direction_into_reference(M, G, mu, nesterov, D)
-        assert _same(M, want_M) and _same(D, want_D)
+        assert same_bits(M, want_M) and same_bits(D, want_D)
     meta = torch.empty(2, 3, 4, device="meta")
     momentum_direction_into(meta, meta, 0.9, True, meta.to(torch.bfloat16))
 
@@ -60,7 +55,8 @@ PROGRAM = textwrap.dedent(
     import sys
     import torch
     sys.path.insert(0, {tests!r})
-    from test_fused_momentum import _cases, _same
+    from checks import same_bits
+    from test_fused_momentum import _cases
     from shardmuon.ops.fused_momentum import launch, momentum_direction_into_reference
 
     checked = 0
@@ -70,7 +66,7 @@ PROGRAM = textwrap.dedent(
             momentum_direction_into_reference(want_M, G, mu, nesterov, want_D)
             D = torch.full(M.shape, 7.0, dtype=torch.bfloat16)
             launch(M, G, mu, nesterov, D)
-            if not (_same(M, want_M) and _same(D, want_D)):
+            if not (same_bits(M, want_M) and same_bits(D, want_D)):
                 sys.exit(f"{{G.dtype}} {{tuple(M.shape)}} mu={{mu}} nesterov={{nesterov}}")
             checked += 1
     print("checked", checked)
@@ -95,4 +91,4 @@ def test_on_cuda_the_kernel_gives_the_torch_ops_bits() -> None:
         momentum_direction_into_reference(want_M, G, mu, nesterov, want_D)
         D = torch.empty_like(want_D)
         launch(M, G, mu, nesterov, D)
-        assert _same(M, want_M) and _same(D, want_D)
+        assert same_bits(M, want_M) and same_bits(D, want_D)

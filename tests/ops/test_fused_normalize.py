@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from checks import same_bits
 from triton_interpreter import run_interpreted
 
 from shardmuon.ops.fused_normalize import (
@@ -156,12 +157,6 @@ def _unit_torch_ops(X, eps, out_dtype):
     return out, flags, floor
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    both_nan = a.isnan() & b.isnan()  # NaN payloads differ by platform
-    return torch.equal(a.masked_fill(both_nan, 0).view(torch.uint8),
-                       b.masked_fill(both_nan, 0).view(torch.uint8))  # fmt: skip
-
-
 def test_the_unit_reference_is_the_torch_ops_and_the_fake_runs_on_meta() -> None:
     """AOL's variant (``X / ||X||`` and the floor ``||X|| / (||X|| + eps)``)."""
     for X, eps, out_dtype in _cases(4):
@@ -171,7 +166,7 @@ def test_the_unit_reference_is_the_torch_ops_and_the_fake_runs_on_meta() -> None
         floor = torch.empty(X.size(0))
         norm = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float64)
         normalize_unit_into_reference(X, norm, eps, out, flags, floor)
-        assert _same(out, want) and _same(floor, want_floor)
+        assert same_bits(out, want) and same_bits(floor, want_floor)
         assert torch.equal(flags, want_flags)
         assert not out[~flags].isnan().any()  # a zero matrix stays zero (no 0 / 0)
     meta = torch.empty(3, 4, 5, device="meta")
@@ -185,7 +180,8 @@ UNIT_PROGRAM = textwrap.dedent(
     import sys
     import torch
     sys.path.insert(0, {tests!r})
-    from test_fused_normalize import _cases, _same, _unit_torch_ops
+    from checks import same_bits
+    from test_fused_normalize import _cases, _unit_torch_ops
     from shardmuon.ops.fused_normalize import launch
 
     checked = 0
@@ -197,7 +193,7 @@ UNIT_PROGRAM = textwrap.dedent(
             floor = torch.full((X.size(0),), 7.0)
             norm = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float64)
             launch(X, norm, eps, out, flags, floor)
-            if not (_same(out, want) and _same(floor, want_floor)):
+            if not (same_bits(out, want) and same_bits(floor, want_floor)):
                 sys.exit(f"{{X.dtype}}->{{out_dtype}} {{tuple(X.shape)}} eps={{eps}}: "
                          f"floor {{floor}} vs {{want_floor}}")
             if not torch.equal(flags, want_flags):
@@ -232,5 +228,5 @@ def test_on_cuda_the_unit_kernel_gives_the_torch_ops_bits() -> None:
             torch.empty_like(want_floor),
         )
         launch(X, norm, eps, out, flags, floor)
-        assert _same(out, want) and _same(floor, want_floor)
+        assert same_bits(out, want) and same_bits(floor, want_floor)
         assert torch.equal(flags, want_flags)

@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 import torch
+from checks import same_bits
 from triton_interpreter import run_interpreted
 
 from shardmuon.ops.fused_normalize import (
@@ -106,18 +107,13 @@ def test_fp16_is_refused() -> None:
         gram_ready(torch.randn(2, 3, 4), 1e-8, torch.float16)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    both_nan = a.isnan() & b.isnan()
-    return torch.equal(a.masked_fill(both_nan, 0).view(torch.uint8),
-                       b.masked_fill(both_nan, 0).view(torch.uint8))  # fmt: skip
-
-
 PROGRAM = textwrap.dedent(
     """
     import sys
     import torch
     sys.path.insert(0, {tests!r})
-    from test_gram_ready import _cases, _same
+    from checks import same_bits
+    from test_gram_ready import _cases
     from shardmuon.ops.fused_normalize import gram_ready_reference, launch
 
     checked = 0
@@ -137,7 +133,7 @@ PROGRAM = textwrap.dedent(
                 flags = torch.ones(X.size(0), dtype=torch.bool)
                 floor = torch.full((X.size(0),), 7.0)
                 launch(source, norm, eps, out, flags, floor, gram_ready=True)
-                if not (_same(out, want) and _same(floor, want_floor)):
+                if not (same_bits(out, want) and same_bits(floor, want_floor)):
                     sys.exit(f"{{X.dtype}}->{{dtype}} {{tuple(X.shape)}} eps={{eps}} "
                              f"in_place={{in_place}}: floor {{floor}} vs {{want_floor}}")
                 if not torch.equal(flags, want_flags):
@@ -168,5 +164,5 @@ def test_on_cuda_the_kernel_gives_the_torch_ops_bits() -> None:
         gram_ready_reference(want.clone(), norm, eps, want, want_flags, want_floor)
         flags, floor = torch.empty_like(want_flags), torch.empty_like(want_floor)
         launch(X, norm, eps, X, flags, floor, gram_ready=True)  # in place
-        assert _same(X, want) and _same(floor, want_floor)
+        assert same_bits(X, want) and same_bits(floor, want_floor)
         assert torch.equal(flags, want_flags)

@@ -63,6 +63,17 @@ def differs(params_a, params_b) -> bool:
     return any(not torch.equal(a.detach(), b.detach()) for a, b in zip(params_a, params_b))
 
 
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    """Same dtype and bits, NaN where the other is NaN whatever its payload (NaN payloads
+    differ between platforms and kernels)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    both_nan = a.isnan() & b.isnan()
+    return torch.equal(
+        a.masked_fill(both_nan, 0).view(torch.uint8), b.masked_fill(both_nan, 0).view(torch.uint8)
+    )
+
+
 def assert_bitwise(a: Tensor, b: Tensor, what: str = "") -> None:
     """Same dtype, shape and bits; the message gives the largest difference."""
     assert a.dtype == b.dtype and a.shape == b.shape, (

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from shardmuon.ops.fused_normalize import _triton, run_or_fall_back
+from shardmuon.ops.fused_normalize import _triton, run_on_device
 
 __all__ = [
     "aol_fold_",
@@ -109,20 +109,12 @@ def aol_fold_reference(B: Tensor, d: Tensor, a: float) -> None:
         B.copy_(wide)
 
 
-def _run(M: Tensor, kernel, reference) -> None:
-    if M.device.type == "cuda":
-        with torch.cuda.device(M.device):
-            run_or_fall_back(kernel, reference)
-    else:
-        reference()
-
-
 @torch.library.custom_op("shardmuon::aol_scale_gram_", mutates_args=("A",))
 def aol_scale_gram_(A: Tensor, d: Tensor) -> None:
     """``A <- D A D`` in place: ``A[b, i, j] * fl(d[b, i] * d[b, j])`` in fp32, rounded once
     into ``A``'s dtype (contiguous bf16 or fp32 ``[B, m, m]``; ``d`` fp32 ``[B, m]``). One
     Triton kernel on CUDA."""
-    _run(A, lambda: launch(A, d, None), lambda: aol_scale_gram_reference(A, d))
+    run_on_device(A.device, lambda: launch(A, d, None), lambda: aol_scale_gram_reference(A, d))
 
 
 @aol_scale_gram_.register_fake
@@ -135,7 +127,7 @@ def aol_fold_(B: Tensor, d: Tensor, a: float) -> None:
     """``B <- (B + a I) D`` in place: ``fl(B[b, i, j] + a [i = j]) * d[b, j]`` in fp32,
     rounded once into ``B``'s dtype (contiguous bf16 or fp32 ``[B, m, m]``; ``d`` fp32
     ``[B, m]``). One Triton kernel on CUDA."""
-    _run(B, lambda: launch(B, d, a), lambda: aol_fold_reference(B, d, a))
+    run_on_device(B.device, lambda: launch(B, d, a), lambda: aol_fold_reference(B, d, a))
 
 
 @aol_fold_.register_fake

@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from shardmuon.ops.fused_normalize import _triton, run_or_fall_back
+from shardmuon.ops.fused_normalize import _triton, run_on_device
 
 __all__ = ["momentum_direction_into", "momentum_direction_into_reference"]
 
@@ -103,14 +103,11 @@ def momentum_direction_into(M: Tensor, G: Tensor, mu: float, nesterov: bool, D: 
     ``bf16(fl(fl(M * mu) + G))``) per element of a contiguous fp32 ``M[B, r, c]``, ``G`` of
     its shape (fp32, bf16 or fp16), ``D`` a contiguous bf16 ``[B, r, c]``. One Triton kernel
     on CUDA."""
-    if M.device.type == "cuda":
-        with torch.cuda.device(M.device):
-            run_or_fall_back(
-                lambda: launch(M, G, mu, nesterov, D),
-                lambda: momentum_direction_into_reference(M, G, mu, nesterov, D),
-            )
-    else:
-        momentum_direction_into_reference(M, G, mu, nesterov, D)
+    run_on_device(
+        M.device,
+        lambda: launch(M, G, mu, nesterov, D),
+        lambda: momentum_direction_into_reference(M, G, mu, nesterov, D),
+    )
 
 
 @momentum_direction_into.register_fake

@@ -36,6 +36,7 @@ __all__ = [
     "normalize_into_reference",
     "normalize_unit_into",
     "normalize_unit_into_reference",
+    "run_on_device",
 ]
 
 # Elements of one matrix per program: memory-bound, large enough to amortise the per-program
@@ -83,6 +84,19 @@ def run_or_fall_back(kernel: Callable[[], None], reference: Callable[[], None]) 
                 stacklevel=3,
             )
     reference()
+
+
+def run_on_device(
+    device: torch.device, kernel: Callable[[], None], reference: Callable[[], None]
+) -> None:
+    """A fused op's body: on CUDA ``kernel()`` on the tensors' device (Triton launches on the
+    current device and its current stream: make it theirs), falling back to ``reference()``
+    if it fails (:func:`run_or_fall_back`); elsewhere ``reference()`` (the torch ops)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            run_or_fall_back(kernel, reference)
+    else:
+        reference()
 
 
 def fused_normalize_available(device: torch.device) -> bool:
@@ -229,13 +243,7 @@ def normalize_unit_into_reference(
 ) -> None:
     """:func:`normalize_unit_into` in torch ops (its meaning, and where Triton is not
     used)."""
-    norm64 = norm.reshape(-1, 1, 1)
-    exponent = torch.frexp(norm64).exponent.clamp_(-126, 126)
-    prescale = torch.ldexp(torch.ones_like(norm64, dtype=torch.float32), -exponent)
-    denom = (norm64 * prescale).to(torch.float32)
-    bad = ~torch.isfinite(denom)
-    unit_floor = denom / (denom + prescale * eps).clamp_min_(_FP32_TINY)  # 0 / 0 (eps 0): 0
-    floor.copy_(unit_floor.masked_fill_(bad, 0.0).flatten())
+    prescale, denom, bad = _unit_factors(norm, eps, floor)
     torch.div(X * prescale, denom.clamp_min_(_FP32_TINY), out=out)  # a zero matrix stays 0
     out.masked_fill_(bad, 0.0)
     nonfinite.copy_(bad.flatten())
@@ -247,18 +255,27 @@ def normalize_unit_into_reference(
 GRAM_READY_RANGE = (2.0**-30, 2.0**30)
 
 
-def gram_ready_reference(
-    X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: Tensor, floor: Tensor
-) -> None:
-    """:func:`gram_ready_into` in torch ops (its meaning, and where Triton is not used)."""
+def _unit_factors(norm: Tensor, eps: float, floor: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """AOL's factors from the fp64 ``norm[B]``, as the kernel derives them: the fp32
+    power-of-two prescale and the prescaled norm (``[B, 1, 1]``), the ``[B, 1, 1]`` mask
+    where it is not finite, and ``floor[B] = ||X|| / (||X|| + eps)`` written (0 there)."""
     norm64 = norm.reshape(-1, 1, 1)
     exponent = torch.frexp(norm64).exponent.clamp_(-126, 126)
     prescale = torch.ldexp(torch.ones_like(norm64, dtype=torch.float32), -exponent)
     denom = (norm64 * prescale).to(torch.float32)
     bad = ~torch.isfinite(denom)
-    unit_floor = denom / (denom + prescale * eps).clamp_min_(_FP32_TINY)
+    unit_floor = denom / (denom + prescale * eps).clamp_min_(_FP32_TINY)  # 0 / 0 (eps 0): 0
     floor.copy_(unit_floor.masked_fill_(bad, 0.0).flatten())
+    return prescale, denom, bad
+
+
+def gram_ready_reference(
+    X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: Tensor, floor: Tensor
+) -> None:
+    """:func:`gram_ready_into` in torch ops (its meaning, and where Triton is not used)."""
+    prescale, _, bad = _unit_factors(norm, eps, floor)
     low, high = GRAM_READY_RANGE
+    norm64 = norm.reshape(-1, 1, 1)
     outside = bad | (norm64 < low) | (norm64 > high)
     # X * 1 is X; X * 2^-e is exact; one rounding into out's dtype
     torch.mul(X, torch.where(outside, prescale, 1.0), out=out)
@@ -276,14 +293,11 @@ def gram_ready_into(
     ``[0.5, 1)`` (exact), zero where the norm is not finite (flagged in ``nonfinite[B]``);
     the fp32 ``floor[B]`` is ``||X|| / (||X|| + eps)`` (0 for a flagged matrix). One Triton
     kernel on CUDA; in place, its programs touch no element of a matrix left as it is."""
-    if X.device.type == "cuda":
-        with torch.cuda.device(X.device):
-            run_or_fall_back(
-                lambda: launch(X, norm, eps, out, nonfinite, floor, gram_ready=True),
-                lambda: gram_ready_reference(X, norm, eps, out, nonfinite, floor),
-            )
-    else:
-        gram_ready_reference(X, norm, eps, out, nonfinite, floor)
+    run_on_device(
+        X.device,
+        lambda: launch(X, norm, eps, out, nonfinite, floor, gram_ready=True),
+        lambda: gram_ready_reference(X, norm, eps, out, nonfinite, floor),
+    )
 
 
 @gram_ready_into.register_fake
@@ -301,14 +315,11 @@ def normalize_unit_into(
     power-of-two prescale as :func:`normalize_into`; a zero matrix stays zero), the fp32
     ``floor[B] = ||X|| / (||X|| + eps)``, both zero where the norm is not finite, and
     ``nonfinite[B]`` those matrices. One Triton kernel on CUDA."""
-    if X.device.type == "cuda":
-        with torch.cuda.device(X.device):
-            run_or_fall_back(
-                lambda: launch(X, norm, eps, out, nonfinite, floor),
-                lambda: normalize_unit_into_reference(X, norm, eps, out, nonfinite, floor),
-            )
-    else:
-        normalize_unit_into_reference(X, norm, eps, out, nonfinite, floor)
+    run_on_device(
+        X.device,
+        lambda: launch(X, norm, eps, out, nonfinite, floor),
+        lambda: normalize_unit_into_reference(X, norm, eps, out, nonfinite, floor),
+    )
 
 
 @normalize_unit_into.register_fake
@@ -322,15 +333,11 @@ def normalize_into(X: Tensor, norm: Tensor, eps: float, out: Tensor, nonfinite: 
     of two that brings the fp64 ``norm`` into ``[0.5, 1)``, in ``out``'s dtype (rounded to
     nearest even), zero where that divisor is not finite; ``nonfinite[B]`` flags those
     matrices. ``norm``: fp64 ``[B]``. One Triton kernel on CUDA."""
-    if X.device.type == "cuda":
-        # Triton launches on the current device (and its current stream): the tensors' one.
-        with torch.cuda.device(X.device):
-            run_or_fall_back(
-                lambda: launch(X, norm, eps, out, nonfinite),
-                lambda: normalize_into_reference(X, norm, eps, out, nonfinite),
-            )
-    else:
-        normalize_into_reference(X, norm, eps, out, nonfinite)
+    run_on_device(
+        X.device,
+        lambda: launch(X, norm, eps, out, nonfinite),
+        lambda: normalize_into_reference(X, norm, eps, out, nonfinite),
+    )
 
 
 @normalize_into.register_fake

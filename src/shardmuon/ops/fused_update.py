@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from shardmuon.ops.fused_normalize import _triton, kernels_enabled, run_or_fall_back
+from shardmuon.ops.fused_normalize import _triton, kernels_enabled, run_on_device
 
 __all__ = ["fused_update_available", "update_into", "update_into_reference"]
 
@@ -94,15 +94,11 @@ def update_into(P: Tensor, R: Tensor, step_factor: float, decay: float) -> None:
     ``[B, r, c]`` parameter's decay (``decay = 1 - lr*wd``) and Muon update
     (``step_factor = -lr*scale``) from its Newton–Schulz result ``R``. One Triton kernel on
     CUDA."""
-    if P.device.type == "cuda":
-        # Triton launches on the current device (and its current stream): the tensors' one.
-        with torch.cuda.device(P.device):
-            run_or_fall_back(
-                lambda: launch(P, R, step_factor, decay),
-                lambda: update_into_reference(P, R, step_factor, decay),
-            )
-    else:
-        update_into_reference(P, R, step_factor, decay)
+    run_on_device(
+        P.device,
+        lambda: launch(P, R, step_factor, decay),
+        lambda: update_into_reference(P, R, step_factor, decay),
+    )
 
 
 @update_into.register_fake
