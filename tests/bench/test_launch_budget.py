@@ -11,6 +11,7 @@ decay-and-update), which the count takes wherever Triton imports.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
@@ -127,3 +128,26 @@ def test_the_command(tmp_path, capsys) -> None:
     assert set(data["phases"]) >= {"momentum", "normalize", "iterate", "update", "adamw"}
     assert main(["bench", "step", "--scale", "2", "--nproc", "1"]) != 0
     assert "--scale 2 applies to --kernels only" in capsys.readouterr().err
+
+
+def test_the_accelerator_path_takes_cudas_rules() -> None:
+    """meta stands for CUDA wherever a rule asks for the device: Gram's GEMM dtype, "auto"'s
+    choice (taken by the rule: nothing to time on meta), the guard's fp32-output product.
+    Was a bug: they took the CPU's branch, and "auto" counted as folded everywhere."""
+    import warnings
+
+    from shardmuon.ops.newton_schulz_gram import gram_gemm_dtype
+    from shardmuon.ops.orthogonalizer import auto_choice
+
+    assert gram_gemm_dtype(torch.bfloat16, "meta") == torch.float16
+    assert auto_choice((64, 256), "meta") == auto_choice((64, 256), "cuda") == "gram"
+    config = KernelConfig(scale=32, warm_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no failed calibration
+        auto = measure_preset(
+            dataclasses.replace(config, options=(("newton_schulz_impl", "auto"),))
+        )
+    folded = measure_preset(config)
+    gram = measure_preset(dataclasses.replace(config, options=(("newton_schulz_impl", "gram"),)))
+    assert auto.total.syncs > 0  # the guarded Gram calls (the guard's one sync each)
+    assert folded.total.kernels != auto.total.kernels != gram.total.kernels

@@ -13,6 +13,8 @@ import torch
 from shardmuon import Muon
 from shardmuon.bench.matrices import make_inputs
 from shardmuon.config import MuonConfig
+from shardmuon.ops import engines as engines_module
+from shardmuon.ops import newton_schulz_gram as gram_module
 from shardmuon.ops import normalize as normalize_module
 from shardmuon.ops.engines import ENGINES
 from shardmuon.ops.newton_schulz import (
@@ -149,15 +151,19 @@ def test_aol_keeps_its_bound_and_the_eps_floor_at_every_scale(engine, dtype) -> 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("engine", ["folded", "gram"])
 def test_aol_at_every_scale_on_the_accelerator_branch(engine, dtype, monkeypatch) -> None:
-    """The same on the normalisation an accelerator runs (fp64 norm, no host check), here
-    on CPU tensors: on a GPU every engine normalises through it."""
+    """The same on what an accelerator runs, here on CPU tensors: the normalisation and
+    AOL's Gram-ready input without a host check (fp64 norm), and Gram's bf16 GEMMs in fp16
+    (CUDA's rule). Was a bug: AOL handed Gram's fp16 chain an unscaled X (overflow,
+    subnormals: wrong updates, NaN)."""
+    monkeypatch.setattr(normalize_module, "_decides_on_host", lambda device: False)
 
-    def accelerator_branch(X, eps, dtype, out, unit):
-        X = X if X.dtype in (torch.bfloat16, torch.float16, torch.float32) else X.float()
-        out = torch.empty(X.shape, dtype=dtype) if out is None else out
-        return normalize_module._normalize_without_sync(X, eps, out, unit)
+    original = gram_module.gram_gemm_dtype
 
-    monkeypatch.setattr(normalize_module, "_normalize", accelerator_branch)
+    def cuda_rule(dtype, device_type):
+        return original(dtype, "cuda")
+
+    monkeypatch.setattr(engines_module, "gram_gemm_dtype", cuda_rule)
+    monkeypatch.setattr(gram_module, "gram_gemm_dtype", cuda_rule)
     _check_every_scale(engine, dtype)
 
 

@@ -146,7 +146,13 @@ def _run_gram(
 ) -> Normalized:
     iterate = functools.partial(iterate_gram, restarts=restarts)
     return orthogonalize_with(
-        iterate, G, coefficients, eps, dtype=dtype, preconditioner=preconditioner
+        iterate,
+        G,
+        coefficients,
+        eps,
+        dtype=dtype,
+        preconditioner=preconditioner,
+        gemm_dtype=gram_gemm_dtype(dtype, G.device.type),
     )
 
 

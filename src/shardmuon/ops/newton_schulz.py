@@ -192,6 +192,7 @@ def orthogonalize_with(
     dtype: torch.dtype = torch.bfloat16,
     overwrite_input: bool = False,
     preconditioner: str | None = None,
+    gemm_dtype: torch.dtype | None = None,
 ) -> Normalized:
     """The frame every engine shares: ``G[..., m, n]`` turned wide (``m <= n``) and 3-D,
     normalised once (:func:`shardmuon.ops.normalize.normalize`: fp32 norm, overflow-safe,
@@ -204,7 +205,10 @@ def orthogonalize_with(
     Returns the result (``dtype``, ``[..., m, n]``) and the ``[B]`` mask of matrices that
     held a non-finite entry (their result is zero). With ``overwrite_input=True`` a
     contiguous wide ``G`` already in ``dtype`` is normalised in place (its contents are
-    lost) and becomes the iteration's first buffer.
+    lost) and becomes the iteration's first buffer. ``gemm_dtype``: what ``iterate``'s
+    GEMMs run in when not ``dtype`` (Gram's chain): AOL takes its input without a
+    normalisation pass only where neither is fp16, whose range an unscaled Gram matrix
+    leaves.
     """
     _check_matrix(G)
     coeffs = resolve_coefficients(coefficients)
@@ -218,7 +222,8 @@ def orthogonalize_with(
     if check_preconditioner(preconditioner) == "aol":
         # Turbo-Muon's AOL: no normalisation pass (the scaling does not depend on X's scale;
         # only matrices out of the Gram's range are scaled), fp16 excepted.
-        prepare = normalize_unit if dtype == torch.float16 else gram_ready
+        narrow = torch.float16 in (dtype, gemm_dtype)
+        prepare = normalize_unit if narrow else gram_ready
         (X, nonfinite), floor = prepare(X, eps, dtype, out=out)
         X = iterate(X, coeffs, preconditioner="aol", eps_floor=floor)
     else:

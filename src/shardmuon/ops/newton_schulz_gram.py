@@ -68,11 +68,13 @@ def default_restarts(steps: int) -> tuple[int, ...]:
 
 def gram_gemm_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
     """The dtype :func:`newton_schulz_gram`'s GEMMs run in by default for ``dtype``: bf16's
-    in fp16 on CUDA (tensor cores run both at one speed) and in fp32 elsewhere (CPUs rarely
-    have fast fp16 GEMMs); fp16 and fp32 in themselves."""
+    in fp16 on CUDA (tensor cores run both at one speed; ``meta`` too, which stands for
+    CUDA in launch counts) and in fp32 elsewhere (CPUs rarely have fast fp16 GEMMs); fp16
+    and fp32 in themselves."""
     if dtype != torch.bfloat16:
         return dtype
-    return torch.float16 if device_type == "cuda" else torch.float32
+    # meta: the accelerator path as counted without one (bench step --kernels)
+    return torch.float16 if device_type in ("cuda", "meta") else torch.float32
 
 
 def iterate_gram(
@@ -138,8 +140,15 @@ def newton_schulz_gram(
     transposed so that the Gram side is the short one.
     """
     iterate = functools.partial(iterate_gram, restarts=restarts, gemm_dtype=gemm_dtype)
+    chain = gram_gemm_dtype(dtype, G.device.type) if gemm_dtype is None else gemm_dtype
     return orthogonalize_with(
-        iterate, G, coefficients, eps, dtype=dtype, preconditioner=preconditioner
+        iterate,
+        G,
+        coefficients,
+        eps,
+        dtype=dtype,
+        preconditioner=preconditioner,
+        gemm_dtype=chain,
     ).X
 
 

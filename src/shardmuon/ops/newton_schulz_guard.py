@@ -82,7 +82,8 @@ _NO_FP32_OUTPUT: set[tuple[str, torch.dtype]] = set()
 
 
 def _fp32_output_gemm_allowed(X: Tensor) -> bool:
-    if not (X.is_cuda and X.dim() == 3 and X.dtype in (torch.bfloat16, torch.float16)):
+    on_device = X.is_cuda or X.is_meta  # meta: CUDA's path, counted without a GPU
+    if not (on_device and X.dim() == 3 and X.dtype in (torch.bfloat16, torch.float16)):
         return False
     if X.dtype == torch.float16 and getattr(
         torch.backends.cuda.matmul, "allow_fp16_accumulation", False

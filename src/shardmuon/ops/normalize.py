@@ -94,6 +94,12 @@ def frobenius_norm_fp32(X: Tensor) -> tuple[Tensor, Tensor]:
     return scale, torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
 
 
+def _decides_on_host(device: torch.device) -> bool:
+    """Whether the rare paths are chosen on the host (a CPU: reading ``[B]`` norms costs
+    nothing there); elsewhere the branch without a synchronisation runs."""
+    return device.type == "cpu"
+
+
 def _suspects(norm: Tensor, eps: float) -> list[int]:
     """Matrices whose plain fp32 norm may have overflowed or underflowed (or is NaN). A
     zero norm is left to the plain path when ``eps`` dwarfs whatever may have underflowed
@@ -155,7 +161,7 @@ def _normalize(
     batch = X.size(0)
     if out is None:
         out = torch.empty(X.shape, dtype=dtype, device=X.device)
-    if X.device.type != "cpu":
+    if not _decides_on_host(X.device):
         return _normalize_without_sync(X, eps, out, unit)
     denom = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
     # A unit matrix needs the true norm even where eps would dwarf what underflowed.
@@ -215,7 +221,7 @@ def gram_ready(
         out = torch.empty(X.shape, dtype=dtype, device=X.device)
     in_place = out.data_ptr() == X.data_ptr() and out.dtype == X.dtype
     batch = X.size(0)
-    if X.device.type != "cpu":
+    if not _decides_on_host(X.device):
         norm64 = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float64)
         nonfinite = torch.empty(batch, dtype=torch.bool, device=X.device)
         floor = torch.empty(batch, dtype=torch.float32, device=X.device)

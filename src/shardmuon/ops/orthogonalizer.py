@@ -53,7 +53,8 @@ BF16, FP32 = 2, 4
 def auto_choice(shape: Sequence[int], device_type: str) -> str:
     """``"gram"`` or ``"folded"`` for one call on ``shape`` (``[..., m, n]``)."""
     m, n = sorted(shape[-2:])
-    if device_type == "cuda" and m > 0 and n / m >= AUTO_GRAM_MIN_ASPECT:
+    # meta stands for CUDA (the accelerator path counted without one)
+    if device_type in ("cuda", "meta") and m > 0 and n / m >= AUTO_GRAM_MIN_ASPECT:
         return "gram"
     return "folded"
 

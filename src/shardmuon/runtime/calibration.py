@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from shardmuon.ops.engines import AUTO_CANDIDATES
-from shardmuon.ops.orthogonalizer import NewtonSchulzSettings, Orthogonalizer
+from shardmuon.ops.orthogonalizer import NewtonSchulzSettings, Orthogonalizer, auto_choice
 from shardmuon.planning.batches import MuonBatch
 
 __all__ = [
@@ -200,6 +200,9 @@ def calibrate(
                     table[(m, n)] = known[(m, n)]
                 elif m == n:
                     table[(m, n)] = "folded"  # square: Gram runs the folded iteration itself
+                elif device.type == "meta":
+                    # Nothing to time on meta tensors (a launch count): the rule, as CUDA's.
+                    table[(m, n)] = auto_choice((m, n), "meta")
                 else:
                     shape = (everywhere[(m, n)], m, n)
                     args = (device, coefficients, eps)
