@@ -141,7 +141,7 @@ def test_the_accelerator_path_takes_cudas_rules() -> None:
 
     assert gram_gemm_dtype(torch.bfloat16, "meta") == torch.float16
     assert auto_choice((64, 256), "meta") == auto_choice((64, 256), "cuda") == "gram"
-    config = KernelConfig(scale=32, warm_steps=1)
+    config = KernelConfig(layers=2, scale=32, warm_steps=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no failed calibration
         auto = measure_preset(
