@@ -426,7 +426,8 @@ EMPTY_STACK_SPECS_2X2 = [
 ]
 
 
-@case("expert_stacks_empty_on_some_replicas_bitwise", (4, 8))
+@case("expert_stacks_empty_on_some_replicas_at_8_bitwise", (8,))
+@case("expert_stacks_empty_on_some_replicas_bitwise", (4,))
 def _empty_stacks(ctx: Context) -> None:
     """Before: refused as "ranks disagree" (a replica's digest described its shard group by
     ranks), or a crash planning an empty stack with ``split_replicas``; now bitwise like one
