@@ -55,26 +55,32 @@ def test_the_references_are_the_torch_ops_and_the_fakes_run_on_meta() -> None:
     aol_fold_(meta, scales, 1.0)
 
 
+def _kernel_and_reference(M: torch.Tensor, d: torch.Tensor, a: float, fold: bool):
+    """The kernel's result and the torch ops' on copies of ``M`` (``fold``: ``(M + a I) D``,
+    else ``D M D``)."""
+    from shardmuon.ops.fused_aol import launch
+
+    want, got = M.clone(), M.clone()
+    if fold:
+        aol_fold_reference(want, d, a)
+    else:
+        aol_scale_gram_reference(want, d)
+    launch(got, d, a if fold else None)
+    return got, want
+
+
 PROGRAM = textwrap.dedent(
     """
     import sys
-    import torch
     sys.path.insert(0, {tests!r})
     from checks import same_bits
-    from test_fused_aol import _cases
-    from shardmuon.ops.fused_aol import aol_fold_reference, aol_scale_gram_reference, launch
+    from test_fused_aol import _cases, _kernel_and_reference
 
     checked = 0
     for seed in (1, 2):
         for M, d, a in _cases(seed):
             for fold in (False, True):
-                want, got = M.clone(), M.clone()
-                if fold:
-                    aol_fold_reference(want, d, a)
-                else:
-                    aol_scale_gram_reference(want, d)
-                launch(got, d, a if fold else None)
-                if not same_bits(got, want):
+                if not same_bits(*_kernel_and_reference(M, d, a, fold)):
                     sys.exit(f"{{M.dtype}} {{tuple(M.shape)}} fold={{fold}} a={{a}}")
                 checked += 1
     print("checked", checked)
@@ -91,15 +97,6 @@ def test_the_kernels_give_the_torch_ops_bits_under_the_interpreter(tmp_path) -> 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_kernels_give_the_torch_ops_bits() -> None:
     pytest.importorskip("triton")
-    from shardmuon.ops.fused_aol import launch
-
     for M, d, a in _cases(3):
-        M, d = M.cuda(), d.cuda()
         for fold in (False, True):
-            want, got = M.clone(), M.clone()
-            if fold:
-                aol_fold_reference(want, d, a)
-            else:
-                aol_scale_gram_reference(want, d)
-            launch(got, d, a if fold else None)
-            assert same_bits(got, want)
+            assert same_bits(*_kernel_and_reference(M.cuda(), d.cuda(), a, fold))

@@ -92,3 +92,82 @@ def test_on_cuda_the_kernel_gives_the_torch_ops_bits() -> None:
         D = torch.empty_like(want_D)
         launch(M, G, mu, nesterov, D)
         assert same_bits(M, want_M) and same_bits(D, want_D)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_new_kernels_run_on_the_callers_stream_and_device() -> None:
+    """A side stream whose earlier work is delayed (``torch.cuda._sleep``) then writes the
+    inputs: the momentum, Gram-ready, unit-normalisation and AOL kernels launched on that
+    stream read what it wrote, not what was there (a launch on another stream or device
+    would race the write), and give the torch ops' bits."""
+    pytest.importorskip("triton")
+    from shardmuon.ops.fused_aol import (
+        aol_fold_,
+        aol_fold_reference,
+        aol_scale_gram_,
+        aol_scale_gram_reference,
+    )
+    from shardmuon.ops.fused_normalize import (
+        gram_ready_into,
+        gram_ready_reference,
+        normalize_unit_into,
+        normalize_unit_into_reference,
+    )
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)  # not the current one if 2+
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def fresh(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device=device) * scale
+
+    M, G = torch.zeros(3, 32, 48, device=device), torch.zeros(3, 32, 48, device=device)
+    A, B = torch.zeros(3, 32, 32, device=device).bfloat16(), torch.zeros(3, 32, 32, device=device)
+    new = {"M": fresh(3, 32, 48), "G": fresh(3, 32, 48), "A": fresh(3, 32, 32).bfloat16(),
+           "B": fresh(3, 32, 32)}  # fmt: skip
+    d = torch.rand(3, 32, generator=gen, device=device) + 0.5
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # ~tens of ms before the writes
+        for target, name in ((M, "M"), (G, "G"), (A, "A"), (B, "B")):
+            target.copy_(new[name])
+        D = torch.empty(M.shape, dtype=torch.bfloat16, device=device)
+        momentum_direction_into(M, G, 0.9, True, D)
+        norm = torch.linalg.vector_norm(D, dim=(-2, -1), dtype=torch.float64)
+        ready, flags, floor = (
+            D.clone(),
+            torch.empty(3, dtype=torch.bool, device=device),
+            d[:, 0].clone(),
+        )
+        gram_ready_into(ready, norm, 1e-8, ready, flags, floor)
+        unit, unit_flags, unit_floor = (
+            torch.empty_like(D),
+            torch.empty_like(flags),
+            torch.empty_like(floor),
+        )
+        normalize_unit_into(D, norm, 1e-8, unit, unit_flags, unit_floor)
+        aol_scale_gram_(A, d)
+        aol_fold_(B, d, 3.4)
+    side.synchronize()
+    want_M, want_D = new["M"].clone(), torch.empty_like(D)
+    momentum_direction_into_reference(want_M, new["G"], 0.9, True, want_D)
+    assert same_bits(M, want_M) and same_bits(D, want_D)
+    want_ready, want_flags, want_floor = (
+        want_D.clone(),
+        torch.empty_like(flags),
+        torch.empty_like(floor),
+    )
+    gram_ready_reference(want_ready, norm, 1e-8, want_ready, want_flags, want_floor)
+    assert same_bits(ready, want_ready) and same_bits(floor, want_floor)
+    assert torch.equal(flags, want_flags)
+    want_unit, want_unit_flags, want_unit_floor = (
+        torch.empty_like(D),
+        torch.empty_like(flags),
+        torch.empty_like(floor),
+    )
+    normalize_unit_into_reference(want_D, norm, 1e-8, want_unit, want_unit_flags, want_unit_floor)
+    assert same_bits(unit, want_unit) and same_bits(unit_floor, want_unit_floor)
+    want_A, want_B = new["A"].clone(), new["B"].clone()
+    aol_scale_gram_reference(want_A, d)
+    aol_fold_reference(want_B, d, 3.4)
+    assert same_bits(A, want_A) and same_bits(B, want_B)
