@@ -67,7 +67,7 @@ step tests 150 $PY -m pytest -q -p no:cacheprovider -rA tests/optimizer/test_cud
   tests/ops/test_newton_schulz.py tests/optimizer/test_optimizer_api.py tests/runtime/test_offload.py \
   tests/ops/test_newton_schulz_gram.py tests/qk_clip/test_qk_clip_cuda.py \
   tests/ops/test_fused_normalize.py tests/ops/test_fused_update.py tests/ops/test_fused_momentum.py \
-  tests/ops/test_gram_ready.py tests/ops/test_fused_aol.py tests/bench/test_launch_budget.py \
+  tests/ops/test_gram_ready.py tests/ops/test_fused_aol.py tests/ops/test_fused_adamw.py tests/bench/test_launch_budget.py \
   -k "not distributed or test_cuda_distributed"
 SHAPES=()
 [[ -n "$NS_SHAPES" ]] && SHAPES=(--shapes "$NS_SHAPES")

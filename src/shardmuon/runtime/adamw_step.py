@@ -1,7 +1,8 @@
 """One AdamW chunk's step: dion's AdamW on a group's local shards, resumable.
 
 The parameters of the group that have grads are updated with ``_foreach`` runs whose fp32
-temporaries fit the workspace budget (:func:`shardmuon.ops.adamw.adamw_update_`); the
+temporaries fit the workspace budget (:func:`shardmuon.ops.adamw.adamw_update_`), or on
+CUDA one fused kernel per parameter (:func:`shardmuon.ops.fused_adamw.adamw_into`); the
 progress counts finished parameters, so that a chunk that raised resumes without updating
 any twice. With offload the state comes staged on the device.
 """
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from shardmuon.ops.adamw import adamw_temp_bytes, adamw_update_
+from shardmuon.ops.adamw import adamw_scalars, adamw_temp_bytes, adamw_update_
+from shardmuon.ops.fused_adamw import adamw_into, fused_adamw_available
 from shardmuon.planning.placements import local_tensor
 from shardmuon.planning.plan import AdamWChunk, setting_float
 from shardmuon.runtime.phases import StepContext
@@ -57,24 +59,39 @@ def step_adamw(
         if progress is not None:
             progress.done += 1
 
-    adamw_update_(
-        [local_tensor(p) for p in params],
-        [local_tensor(ctx.grad(p)) for p in params],
-        momenta,
-        variances,
+    hyper = dict(
         lr=setting_float(group["lr"]),
         beta1=setting_float(group["beta1"]),
         beta2=setting_float(group["beta2"]),
         weight_decay=setting_float(group["weight_decay"]),
         epsilon=setting_float(group["epsilon"]),
         step=int(group["step"]),
+    )
+    tensors = [local_tensor(p) for p in params]
+    grads = [local_tensor(ctx.grad(p)) for p in params]
+    if fused_adamw_available(ctx.device):
+        # One kernel per parameter, no temporaries: the same bits (ops.fused_adamw).
+        args = adamw_scalars(**hyper).as_args()
+        for i, (x, g, m, v) in enumerate(zip(tensors, grads, momenta, variances)):
+            adamw_into(x, g, m, v, *args)
+            done(i)
+        return
+    adamw_update_(
+        tensors,
+        grads,
+        momenta,
+        variances,
+        **hyper,
         max_temp_bytes=ctx.workspace_bytes,
         on_param_done=done,
     )
 
 
 def adamw_peak_bytes(ctx: StepContext) -> int:
-    """The largest fp32 temporaries of the AdamW chunks' ``_foreach`` runs."""
+    """The largest fp32 temporaries of the AdamW chunks' ``_foreach`` runs (none where the
+    fused kernel runs)."""
+    if fused_adamw_available(ctx.device):
+        return 0
     peak = 0
     for chunk in ctx.plan.adamw:
         sizes = [p.numel() for p in map(local_tensor, chunk.params_of(ctx.param_groups))]
