@@ -5,7 +5,7 @@
 #   run(command="bash scripts/gpu-check.sh", timeout_s=480)
 # Every figure lands in a work folder that is packed into $OUT/gpu-results.tgz after each
 # step (the device tool brings back at most 8 files; a timeout keeps what was done), and
-# the whole log in $OUT/log.txt. The per-step caps sum to 685 s; the whole run took 330 s
+# the whole log in $OUT/log.txt. The per-step caps sum to 745 s; the whole run took 330 s
 # on an H200 (2026-12-04), so timeout_s=480 leaves room: a step that hangs loses the steps
 # after it, never the archive of those before.
 # Dry run on a CPU (the flags, not the figures):
@@ -67,7 +67,7 @@ step tests 150 $PY -m pytest -q -p no:cacheprovider -rA tests/optimizer/test_cud
   tests/ops/test_newton_schulz.py tests/optimizer/test_optimizer_api.py tests/runtime/test_offload.py \
   tests/ops/test_newton_schulz_gram.py tests/qk_clip/test_qk_clip_cuda.py \
   tests/ops/test_fused_normalize.py tests/ops/test_fused_update.py tests/ops/test_fused_momentum.py \
-  tests/ops/test_gram_ready.py tests/ops/test_fused_aol.py tests/ops/test_fused_adamw.py tests/bench/test_launch_budget.py \
+  tests/ops/test_gram_ready.py tests/ops/test_fused_aol.py tests/ops/test_fused_adamw.py tests/runtime/test_graphs.py tests/bench/test_launch_budget.py \
   -k "not distributed or test_cuda_distributed"
 SHAPES=()
 [[ -n "$NS_SHAPES" ]] && SHAPES=(--shapes "$NS_SHAPES")
@@ -96,6 +96,11 @@ fi
 # class on this GPU).
 step step-aol 40 $B "${STEP[@]}" --impl shardmuon --ns-preconditioner aol --json "$RES/step-aol.json"
 step step-auto 40 $B "${STEP[@]}" --impl shardmuon --ns-impl auto --json "$RES/step-auto.json"
+# Newton-Schulz calls replayed from CUDA graphs (rows 'shardmuon+graphs' beside eager,
+# interleaved), the default engine and the guarded Gram (whose guard then decides on the
+# device).
+step step-graphs 60 $B "${STEP[@]}" --impl shardmuon,shardmuon-gram --cuda-graphs --order abba \
+  --json "$RES/step-graphs.json"
 # Optimizer-state offload: the state in pinned host memory, streamed chunk by chunk.
 step step-offload 40 $B "${STEP[@]}" --impl shardmuon --offload state --json "$RES/step-offload.json"
 # The step behind the next forward (issue #32). bench step has no forward: 'held ms' is the

@@ -25,6 +25,7 @@ from shardmuon.ops.newton_schulz import resolve_coefficients
 from shardmuon.ops.orthogonalizer import (
     NS_CHOICES,
     NewtonSchulzSettings,
+    Orthogonalizer,
     live_coefficients,
 )
 from shardmuon.planning.chunks import Chunk, batch_for_directions, chunk_info
@@ -48,6 +49,7 @@ from shardmuon.runtime.agreement import (
 )
 from shardmuon.runtime.calibration import calibrate_plan, read_auto_record, with_auto_record
 from shardmuon.runtime.exchange import check_backends
+from shardmuon.runtime.graphs import GraphCache, GraphedOrthogonalizer, graphs_available
 from shardmuon.runtime.offload import OFFLOAD_CHOICES, StateStager, stager_for
 from shardmuon.runtime.overlap import (
     OVERLAP_CHOICES,
@@ -177,6 +179,12 @@ class Muon(Optimizer):
         adamw_chunks: ``"group"`` (default): one AdamW chunk per group in :meth:`chunks`;
             ``"parameter"``: one per parameter (a trainer that moves each chunk's state to
             the device and back holds one parameter's at a time).
+        cuda_graphs: on CUDA, each distinct Newton–Schulz call (shape, engine) is captured
+            in a CUDA graph at its second call and replayed after (``runtime/graphs.py``):
+            one launch instead of some twenty, the same bits, and a guarded call decides
+            its recompute on the device (no host synchronisation). Each captured call
+            keeps its input and output (twice the stack's bf16 bytes) and the captures
+            share one pool of intermediates. Off by default; ignored off CUDA.
 
     A matrix whose direction holds NaN or inf is skipped: its orthogonalized direction is
     zero (weight decay still applies), it is counted in ``last_step_stats.nonfinite_matrices``
@@ -219,6 +227,7 @@ class Muon(Optimizer):
         check_grads: str = "first",
         overlap: str | None = None,
         adamw_chunks: str = "group",
+        cuda_graphs: bool = False,
         world_mesh: Any = None,
         fsdp_mesh_dim: Any = None,
     ) -> None:
@@ -272,6 +281,7 @@ class Muon(Optimizer):
     # ``warmup``, as given (a class default for copies made before it existed).
     warmup_setting: bool | None = None
     adamw_chunks: str = "group"
+    cuda_graphs: bool = False
 
     def _reset_runtime(self) -> None:
         """What is derived from the settings, not part of them (rebuilt after a copy)."""
@@ -296,6 +306,7 @@ class Muon(Optimizer):
         # Per group: the count its parameters' ``step`` counters were last given.
         self._counted_steps: dict[int, int] = {}
         self._last_stats = StepStats()
+        self._graphs = GraphCache()
 
     @property
     def last_step_stats(self) -> StepStats:
@@ -596,13 +607,22 @@ class Muon(Optimizer):
                 self._plan.batches, ns, self._device(), eps, self._auto_record
             )
 
+    def _orthogonalizer(self) -> Orthogonalizer | GraphedOrthogonalizer:
+        """The step's Newton–Schulz: the live settings' engine, its calls replayed from
+        CUDA graphs where ``cuda_graphs`` is on and the parameters are on CUDA."""
+        inner = self._newton_schulz_settings().orthogonalizer(self._auto_choices)
+        device = self._device()
+        if self.cuda_graphs and graphs_available(device):
+            return self._graphs.wrap(inner, device)
+        return inner
+
     def _context(self, param_groups: list[dict] | None = None) -> StepContext:
         return StepContext(
             plan=self._plan,
             param_groups=self.param_groups if param_groups is None else param_groups,
             state=self.state,
             stats=self._last_stats,
-            orthogonalizer=self._newton_schulz_settings().orthogonalizer(self._auto_choices),
+            orthogonalizer=self._orthogonalizer(),
             coefficients=self.coefficients,
             device=self._device(),
             workspace_bytes=self._workspace_budget(),

@@ -302,9 +302,13 @@ OPTIMIZER_SETTINGS = (
     "check_grads",
     "overlap",
     "adamw_chunks",
+    "cuda_graphs",
 )
-# Those the ranks of a group must share: offload only moves where a rank keeps its state.
-AGREED_SETTINGS = tuple(name for name in OPTIMIZER_SETTINGS if not name.startswith("offload"))
+# Those the ranks of a group must share: offload only moves where a rank keeps its state,
+# and a replayed graph computes what the eager call does.
+AGREED_SETTINGS = tuple(
+    name for name in OPTIMIZER_SETTINGS if not name.startswith("offload") and name != "cuda_graphs"
+)
 CHECK_GRADS_CHOICES = ("first", "always", "never")
 # How AdamW groups are cut into chunks: one per group, or one per parameter (for a trainer
 # that moves each chunk's state to the device and back).
@@ -353,8 +357,8 @@ def check_optimizer_settings(
     _check_choice("check_grads", settings["check_grads"], CHECK_GRADS_CHOICES)
     _check_choice("overlap", settings.get("overlap"), overlap_choices)
     _check_choice("adamw_chunks", settings.get("adamw_chunks", "group"), ADAMW_CHUNKS_CHOICES)
-    for name in ("rotate_owners", "split_replicas"):
-        if not isinstance(settings[name], bool):
+    for name in ("rotate_owners", "split_replicas", "cuda_graphs"):
+        if not isinstance(settings.get(name, False), bool):
             raise TypeError(f"{name} must be True or False, got {settings[name]!r}")
 
 

@@ -61,10 +61,16 @@ DEFAULT_OFF: dict[str, str] = {
 }
 WEIGHT_DECAY = 0.1
 # A shardmuon impl with this suffix runs with ``offload="state"`` (``--offload``), with
-# this one ``overlap="forward"`` (``--overlap``); both: ``IMPL+offload+overlap``.
+# this one ``overlap="forward"`` (``--overlap``), with this one ``cuda_graphs=True``
+# (``--cuda-graphs``); several: ``IMPL+offload+overlap``.
 OFFLOAD_SUFFIX = "+offload"
 OVERLAP_SUFFIX = "+overlap"
-_SUFFIX_OPTIONS = {OFFLOAD_SUFFIX: {"offload": "state"}, OVERLAP_SUFFIX: {"overlap": "forward"}}
+GRAPHS_SUFFIX = "+graphs"
+_SUFFIX_OPTIONS = {
+    OFFLOAD_SUFFIX: {"offload": "state"},
+    OVERLAP_SUFFIX: {"overlap": "forward"},
+    GRAPHS_SUFFIX: {"cuda_graphs": True},
+}
 
 
 def shardmuon_options(impl: str) -> dict[str, Any] | None:

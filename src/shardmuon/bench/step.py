@@ -22,6 +22,7 @@ from shardmuon.bench.kernels import DEVICE_PATHS, KernelConfig, measure_preset
 from shardmuon.bench.launch import launch, torchrun_world_size
 from shardmuon.bench.optimizers import (
     DEFAULT_OFF,
+    GRAPHS_SUFFIX,
     IMPLEMENTATIONS,
     OFFLOAD_SUFFIX,
     OVERLAP_SUFFIX,
@@ -110,13 +111,21 @@ def with_offload(impls: list[str], modes: list[str]) -> list[str]:
 
 def with_overlap(impls: list[str], overlap: str) -> list[str]:
     """``--overlap forward``: each shardmuon impl also overlapped (``+overlap``), beside it."""
-    if overlap == "none":
-        return impls
+    return impls if overlap == "none" else _beside(impls, OVERLAP_SUFFIX)
+
+
+def with_graphs(impls: list[str], cuda_graphs: bool) -> list[str]:
+    """``--cuda-graphs``: each shardmuon impl also with ``cuda_graphs=True`` (``+graphs``)."""
+    return _beside(impls, GRAPHS_SUFFIX) if cuda_graphs else impls
+
+
+def _beside(impls: list[str], suffix: str) -> list[str]:
+    """Each impl, and right after it each shardmuon impl with ``suffix``."""
     out = []
     for impl in impls:
         out.append(impl)
         if shardmuon_options(impl) is not None:
-            out.append(impl + OVERLAP_SUFFIX)
+            out.append(impl + suffix)
     return out
 
 
@@ -265,6 +274,11 @@ def add_parser(subparsers) -> None:
         "beside it): 'held ms' is the time step() held the caller; with no forward here to "
         "hide behind, the step time includes the synchronize after it",
     )  # fmt: skip
+    p.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="each shardmuon impl also with cuda_graphs=True (rows 'IMPL+graphs', beside it): "
+        "its Newton-Schulz calls replayed from CUDA graphs (ignored off CUDA)",
+    )  # fmt: skip
     p.add_argument("--lr", type=positive_float, default=0.02, help="learning rate")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the random weights and grads")
     p.add_argument(
@@ -400,6 +414,7 @@ def run(args: argparse.Namespace) -> int:
             note(chosen)
     impls, skipped = parse_impls(args.impl, world, args.layout)
     impls = with_overlap(with_offload(impls, parse_offload(args.offload)), args.overlap)
+    impls = with_graphs(impls, args.cuda_graphs)
     cfg = StepConfig(
         model=args.model,
         layers=args.layers,

@@ -58,7 +58,21 @@ from shardmuon.ops.newton_schulz import (
     resolve_coefficients,
 )
 
-__all__ = ["GUARD_SLACK", "GuardVerdict", "band_high", "guarded", "largest_singular_value"]
+__all__ = [
+    "GUARD_SLACK",
+    "Branch",
+    "GuardVerdict",
+    "band_high",
+    "guarded",
+    "guarded_on_device",
+    "host_branch",
+    "largest_singular_value",
+]
+
+# ``branch(pred, body)``: run ``body()`` when the 0-d bool tensor ``pred`` holds, wherever
+# that is decided: on the host (:func:`host_branch`), or on the device by a CUDA graph's
+# conditional node (``runtime.graphs``), with no synchronisation.
+Branch = Callable[[Tensor, Callable[[], None]], None]
 
 # How far above the band a result may lie before it counts as diverged: bf16 rounding puts
 # the standard iteration at 1.00x the band and the Gram iteration with restarts at up to
@@ -170,7 +184,7 @@ def _exceeds(A: Tensor, limit: float) -> Tensor:
     return torch.linalg.cholesky_ex(shifted).info != 0
 
 
-def _ratios(out: Tensor, band: float, slack: float) -> tuple[Tensor, Tensor]:
+def _ratios(out: Tensor, band: float, slack: float) -> tuple[Tensor, Tensor, Tensor]:
     """Which matrices of ``out[B, m, n]`` diverged, and a lower bound of each one's
     ``sigma_max / band``: bool ``[B]`` (``True``: above ``slack``, or non-finite) and fp32
     ``[B]``, both left on the device (no synchronisation).
@@ -185,10 +199,16 @@ def _ratios(out: Tensor, band: float, slack: float) -> tuple[Tensor, Tensor]:
     finite = torch.isfinite(A).flatten(1).all(dim=1)
     A = A.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     limit = slack * slack
-    above = (torch.linalg.matrix_norm(A) > limit) & _exceeds(A, limit)
+    frobenius = torch.linalg.matrix_norm(A)
+    above = (frobenius > limit) & _exceeds(A, limit)
     diverged = torch.where(finite, above, True)
     ratio = A.diagonal(dim1=-2, dim2=-1).amax(dim=-1).clamp_min_(0).sqrt_()
-    return diverged, torch.where(finite, ratio, float("inf"))
+    infinite = float("inf")
+    return (
+        diverged,
+        torch.where(finite, ratio, infinite),
+        torch.where(finite, frobenius.sqrt(), infinite),
+    )
 
 
 def guarded(
@@ -214,7 +234,7 @@ def guarded(
         )
     flat = out.reshape(-1, *out.shape[-2:])
     band = band_high(coefficients)
-    bad, ratio = _ratios(flat, band, slack)
+    bad, ratio, _ = _ratios(flat, band, slack)
     count = bad.sum()
     # The call's one synchronisation: the recompute below is driven from the host.
     if not bool(bad.any()):
@@ -235,3 +255,57 @@ def guarded(
         )
         flat[i] = safe.X[0].to(flat.dtype)
     return flat.reshape(out.shape), verdict  # a view of ``out`` unless reshape had to copy
+
+
+def host_branch(pred: Tensor, body: Callable[[], None]) -> None:
+    """``body()`` if ``pred`` holds, read on the host (a synchronisation on a GPU)."""
+    if bool(pred):
+        body()
+
+
+def guarded_on_device(
+    G: Tensor,
+    orthogonalize: Callable[[Tensor], Tensor],
+    coefficients: str | Coefficients | None,
+    eps: float,
+    branch: Branch,
+    slack: float = GUARD_SLACK,
+    preconditioner: str | None = None,
+) -> tuple[Tensor, GuardVerdict]:
+    """:func:`guarded` with nothing read on the host: whether to recompute is ``branch``'s
+    to decide (a CUDA graph's conditional node reads it on the device), and the recompute
+    has no data-dependent shape. It recomputes every matrix of the call, one at a time as
+    :func:`guarded` recomputes a failed one (the same bits), and keeps the recomputed one
+    only where the matrix failed: where none failed it does not run; where one did, the
+    call pays for all (a rare path).
+
+    The result is :func:`guarded`'s bit for bit. The verdict's worst ratio differs for a
+    failed matrix: its upper bound ``sqrt(||O O^T||_F) / band`` instead of the exact
+    ``sigma_max / band`` (an eigensolver checks its errors on the host).
+    """
+    coefficients = resolve_coefficients(coefficients)
+    out = orthogonalize(G)
+    if out.numel() == 0:
+        return out, GuardVerdict(
+            0, _zero(torch.int64, out.device), _zero(torch.float32, out.device)
+        )
+    flat = out.reshape(-1, *out.shape[-2:])
+    band = band_high(coefficients)
+    bad, ratio, bound = _ratios(flat, band, slack)
+    inputs = G.reshape(-1, *G.shape[-2:])
+
+    def recompute() -> None:
+        for i in range(flat.size(0)):
+            safe = orthogonalize_with(
+                iterate_folded,
+                inputs[i : i + 1].float(),
+                coefficients,
+                eps,
+                dtype=torch.float32,
+                preconditioner=preconditioner,
+            )
+            flat[i] = torch.where(bad[i], safe.X[0].to(flat.dtype), flat[i])
+        ratio.copy_(torch.where(bad, bound / band, ratio))
+
+    branch(bad.any(), recompute)
+    return flat.reshape(out.shape), GuardVerdict(flat.size(0), bad.sum(), ratio.max())

@@ -27,7 +27,7 @@ from shardmuon.ops.engines import (
     resolve_restarts,
 )
 from shardmuon.ops.newton_schulz import Coefficients, resolve_coefficients
-from shardmuon.ops.newton_schulz_guard import GuardVerdict, guarded
+from shardmuon.ops.newton_schulz_guard import Branch, GuardVerdict, guarded, guarded_on_device
 from shardmuon.ops.normalize import NORMALIZE_CHUNK_ELEMENTS
 
 __all__ = [
@@ -179,7 +179,16 @@ class Orthogonalizer:
         self._nonfinite, self._verdicts = [], []
         return report
 
-    def __call__(self, X: Tensor, coefficients, eps: float) -> Tensor:
+    def engine_key(self, X: Tensor) -> tuple:
+        """What a call on ``X`` computes besides ``X``, coefficients and eps: the engine it
+        takes and the settings it runs with (a captured call is reused for the same key)."""
+        name = self._engine_for(X.shape, X.device.type)
+        return (name, self.dtype, self.restarts, self.preconditioner, self.guards[name])
+
+    def __call__(self, X: Tensor, coefficients, eps: float, branch: Branch | None = None) -> Tensor:
+        """Newton–Schulz on ``X[B, m, n]``, bf16 ``[B, m, n]`` out. ``branch``: where a
+        guarded call decides to recompute (``None``: on the host, once a call; a CUDA
+        graph's conditional node: on the device, :func:`guarded_on_device`)."""
         name = self._engine_for(X.shape, X.device.type)
         engine = ENGINES[name]
         coeffs = resolve_coefficients(coefficients)
@@ -203,7 +212,12 @@ class Orthogonalizer:
 
         if not guard:
             return run(X)
-        out, verdict = guarded(X, run, coeffs, eps, preconditioner=self.preconditioner)
+        if branch is not None:
+            out, verdict = guarded_on_device(
+                X, run, coeffs, eps, branch, preconditioner=self.preconditioner
+            )
+        else:
+            out, verdict = guarded(X, run, coeffs, eps, preconditioner=self.preconditioner)
         self._verdicts.append(verdict)
         return out
 
