@@ -115,3 +115,27 @@ def test_a_momentum_pass_that_failed_part_way_resumes_once(monkeypatch) -> None:
         assert torch.equal(a, b)
     for a, b in zip(opt.state.values(), ref.state.values()):
         assert torch.equal(a["momentum"], b["momentum"])
+
+
+def test_the_estimate_counts_the_temporaries_of_parameters_the_adamw_kernel_cannot_take(
+    monkeypatch,
+) -> None:
+    """With the fused AdamW kernel, a parameter it cannot take (a transposed one: its moments
+    are laid out alike) runs the ``_foreach_`` ops and their 16 bytes an element: the
+    estimate holds them; the ones it takes add nothing."""
+    monkeypatch.setattr(adamw_step, "fused_adamw_available", lambda device: True)
+    gen = torch.Generator().manual_seed(0)
+    taken = torch.nn.Parameter(torch.randn(64, generator=gen))
+    transposed = torch.nn.Parameter(torch.randn(24, 40, generator=gen).t())
+    estimates = []
+    for vectors in ([taken], [taken, transposed]):
+        matrix = torch.nn.Parameter(torch.randn(16, 24, generator=gen))
+        opt = Muon(
+            [{"params": [matrix]}, {"params": vectors, "algorithm": "adamw"}],
+            workspace_bytes=4096,
+        )
+        for p in [matrix, *vectors]:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        estimates.append(opt.last_step_stats.workspace_peak_bytes)
+    assert estimates[1] >= 16 * transposed.numel() > estimates[0]

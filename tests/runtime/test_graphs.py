@@ -288,3 +288,134 @@ def test_on_cuda_muon_with_cuda_graphs_steps_bitwise_like_eager() -> None:
         return [p.detach().clone() for p in params]
 
     assert all(same_bits(a, b) for a, b in zip(run(True), run(False), strict=True))
+
+
+class FailingOnce(StandInCapture):
+    """A stand-in whose first warm-up (or capture) raises ``error``."""
+
+    def __init__(self, error: BaseException, where: str) -> None:
+        super().__init__()
+        self.error, self.where = error, where
+
+    def warm(self, fn):
+        if self.where == "warm" and self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return super().warm(fn)
+
+    def capture(self, fn):
+        if self.where == "capture" and self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return super().capture(fn)
+
+
+def test_a_failed_warm_up_warms_again_and_an_out_of_memory_capture_is_retried() -> None:
+    engine = ("folded", torch.bfloat16, None, None)
+    eager = _engine(*engine)
+    X = _inputs(2, (2, 8, 16))
+    want = eager(X.clone(), NS_PRESETS["dion"], 1e-7)
+    capture = FailingOnce(RuntimeError("out of memory (injected)"), "warm")
+    graphed = GraphedOrthogonalizer(_engine(*engine), GraphCache(capture=capture))
+    with pytest.raises(RuntimeError, match="injected"):
+        graphed(X.clone(), NS_PRESETS["dion"], 1e-7)
+    assert same_bits(graphed(X.clone(), NS_PRESETS["dion"], 1e-7), want)  # warmed now
+    assert capture.warms == 1 and capture.captures == 0
+    capture = FailingOnce(torch.OutOfMemoryError("CUDA out of memory (injected)"), "capture")
+    cache = GraphCache(capture=capture)
+    graphed = GraphedOrthogonalizer(_engine(*engine), cache)
+    graphed(X.clone(), NS_PRESETS["dion"], 1e-7)
+    with pytest.raises(torch.OutOfMemoryError):
+        graphed(X.clone(), NS_PRESETS["dion"], 1e-7)
+    assert not cache.refused  # memory is not a refusal: the retry captures
+    assert same_bits(graphed(X.clone(), NS_PRESETS["dion"], 1e-7), want)
+    assert capture.captures == 1 and len(cache.graphs) == 1
+
+
+def test_a_new_device_starts_the_cache_afresh(monkeypatch) -> None:
+    monkeypatch.setattr(graphs, "CudaCapture", lambda device: StandInCapture())
+    cache = GraphCache()
+    ortho = _engine("folded", torch.bfloat16, None, None)
+    X = _inputs(4, (2, 8, 16))
+    for _ in range(3):
+        cache.wrap(ortho, torch.device("cpu"))(X.clone(), NS_PRESETS["dion"], 1e-7)
+    assert len(cache.graphs) == 1 and cache.warmed
+    first = cache.capture
+    cache.wrap(ortho, torch.device("cpu"))
+    assert cache.capture is first  # the same device keeps its captures
+    cache.wrap(ortho, torch.device("meta"))
+    assert cache.capture is not first and not cache.graphs and not cache.warmed
+
+
+def test_the_key_follows_the_process_wide_gemm_settings() -> None:
+    ortho = _engine("folded", torch.bfloat16, None, None)
+    X = _inputs(1, (2, 8, 16))
+    matmul = torch.backends.cuda.matmul
+    before = graphs.call_key(ortho, X, NS_PRESETS["dion"], 1e-7)
+    saved = matmul.allow_bf16_reduced_precision_reduction
+    try:
+        matmul.allow_bf16_reduced_precision_reduction = not saved
+        assert graphs.call_key(ortho, X, NS_PRESETS["dion"], 1e-7) != before
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = saved
+    assert graphs.call_key(ortho, X, NS_PRESETS["dion"], 1e-7) == before
+
+
+def test_a_call_that_raised_leaves_nothing_in_the_next_calls_report(monkeypatch) -> None:
+    """A guarded call that raised after its engine reported: the next call's report is its
+    own (a retried chunk counted a non-finite matrix twice)."""
+    import shardmuon.ops.orthogonalizer as orthogonalizer_module
+
+    ortho = _engine("gram", torch.bfloat16, None, None)
+    X = _inputs(1, (3, 8, 24))  # one non-finite matrix
+    real = orthogonalizer_module.guarded
+
+    def failing(G, run, *args, **kwargs):
+        run(G)  # the engine reports its mask
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(orthogonalizer_module, "guarded", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        ortho(X.clone(), NS_PRESETS["dion"], 1e-7)
+    monkeypatch.setattr(orthogonalizer_module, "guarded", real)
+    ortho(X.clone(), NS_PRESETS["dion"], 1e-7)
+    masks, verdicts = ortho.take_report()
+    assert len(masks) == 1 and len(verdicts) == 1 and int(masks[0].sum()) == 1
+
+
+@needs_cuda
+def test_on_cuda_a_refused_capture_leaves_the_callers_stream_current() -> None:
+    device = torch.device("cuda")
+    caller = torch.cuda.Stream(device)
+    capture = graphs.CudaCapture(device)
+
+    def refused(branch):
+        return torch.ones(3, device=device).sum().item()  # a host read: capture refuses
+
+    with torch.cuda.stream(caller):
+        with pytest.raises(RuntimeError):  # torch's capture error (AcceleratorError is one)
+            capture.capture(refused)
+        assert torch.cuda.current_stream(device) == caller
+
+
+@needs_cuda
+def test_on_cuda_replays_from_two_streams_do_not_race() -> None:
+    """Two streams replay the same captured call on different inputs, the first delayed:
+    each gets its own input's result (the event orders the static buffers)."""
+    device = torch.device("cuda")
+    graphed = GraphCache().wrap(_engine("folded", torch.bfloat16, None, None), device)
+    eager = _engine("folded", torch.bfloat16, None, None)
+    inputs = [_inputs(seed, (4, 64, 96)).to(device) for seed in (20, 21)]
+    for _ in range(2):
+        graphed(inputs[0].clone(), NS_PRESETS["dion"], 1e-7)  # warm-up, capture
+    streams = [torch.cuda.Stream(device) for _ in range(2)]
+    results = []
+    for k, (stream, X) in enumerate(zip(streams, inputs)):
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            if k == 0:
+                torch.cuda._sleep(50_000_000)
+            results.append(graphed(X.clone(), NS_PRESETS["dion"], 1e-7))
+    torch.cuda.synchronize(device)
+    for got, X in zip(results, inputs):
+        assert same_bits(got, eager(X.clone(), NS_PRESETS["dion"], 1e-7))

@@ -32,7 +32,7 @@ from torch import Tensor
 from shardmuon.ops.adamw import AdamWScalars, foreach_adamw_
 from shardmuon.ops.fused_normalize import _triton, kernels_enabled, run_on_device
 
-__all__ = ["adamw_into", "adamw_into_reference", "fused_adamw_available"]
+__all__ = ["adamw_into", "adamw_into_reference", "fused_adamw_available", "takes_parameter"]
 
 _BLOCK = 2048
 _GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -95,6 +95,13 @@ def _kernel():
             tl.store(X + i, x - quotient, mask=inside)
 
     return adamw_kernel
+
+
+def takes_parameter(X: Tensor) -> bool:
+    """Whether the kernel can take a parameter like ``X`` (fp32 or bf16, contiguous; its
+    moments are laid out like it): the others run the ``_foreach_`` ops, with their
+    temporaries."""
+    return X.dtype in (torch.float32, torch.bfloat16) and X.is_contiguous()
 
 
 def supported(X: Tensor, G: Tensor, M: Tensor, V: Tensor) -> bool:
@@ -163,6 +170,9 @@ def _probe_inputs(device: torch.device, param_dtype: torch.dtype):
     G = torch.randn(n, generator=gen) * 3.0
     M = torch.randn(n, generator=gen) * 0.5
     V = torch.rand(n, generator=gen) * 2.0
+    # Edge values (no NaN: its payload is no value): zeros, subnormals, a square that
+    # overflows, a tiny second moment.
+    X[0], G[1], V[2], G[3], M[4], V[5] = 0.0, 1e-40, 0.0, 3e38, 1e-42, 1e-44
     return [t.to(device) for t in (X, G, M, V)]
 
 

@@ -76,6 +76,8 @@ def run_or_fall_back(kernel: Callable[[], None], reference: Callable[[], None]) 
             kernel()
             return
         except Exception as err:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise  # a capture refused it (runtime/graphs.py): not the kernel's fault
             _DISABLED.append(repr(err))
             warnings.warn(
                 f"shardmuon's Triton kernels failed ({err!r}); the torch ops run instead "

@@ -63,6 +63,7 @@ __all__ = [
     "Branch",
     "GuardVerdict",
     "band_high",
+    "fp32_output_refusals",
     "guarded",
     "guarded_on_device",
     "host_branch",
@@ -93,6 +94,12 @@ def band_high(coefficients: Coefficients) -> float:
 # (device type, dtype) pairs whose half-precision bmm with an fp32 output was refused (torch
 # before 2.8 has no out_dtype; fp16 under allow_fp16_accumulation; a backend without it).
 _NO_FP32_OUTPUT: set[tuple[str, torch.dtype]] = set()
+
+
+def fp32_output_refusals() -> frozenset[tuple[str, torch.dtype]]:
+    """The (device type, dtype) pairs whose fp32-output GEMM was refused in this process
+    (the guard then upcasts): part of what a captured call's kernels depend on."""
+    return frozenset(_NO_FP32_OUTPUT)
 
 
 def _fp32_output_gemm_allowed(X: Tensor) -> bool:

@@ -189,6 +189,8 @@ class Orthogonalizer:
         """Newton–Schulz on ``X[B, m, n]``, bf16 ``[B, m, n]`` out. ``branch``: where a
         guarded call decides to recompute (``None``: on the host, once a call; a CUDA
         graph's conditional node: on the device, :func:`guarded_on_device`)."""
+        # A call that raised left its report behind; this call's report is its own.
+        self._nonfinite, self._verdicts = [], []
         name = self._engine_for(X.shape, X.device.type)
         engine = ENGINES[name]
         coeffs = resolve_coefficients(coefficients)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from shardmuon.ops.adamw import adamw_scalars, adamw_temp_bytes, adamw_update_
-from shardmuon.ops.fused_adamw import adamw_into, fused_adamw_available
+from shardmuon.ops.fused_adamw import adamw_into, fused_adamw_available, takes_parameter
 from shardmuon.planning.placements import local_tensor
 from shardmuon.planning.plan import AdamWChunk, setting_float
 from shardmuon.runtime.phases import StepContext
@@ -88,12 +88,16 @@ def step_adamw(
 
 
 def adamw_peak_bytes(ctx: StepContext) -> int:
-    """The largest fp32 temporaries of the AdamW chunks' ``_foreach`` runs (none where the
-    fused kernel runs)."""
-    if fused_adamw_available(ctx.device):
-        return 0
+    """The largest fp32 temporaries of the AdamW chunks' ``_foreach`` runs (where the fused
+    kernel runs, those of the parameters it cannot take, which run the ``_foreach_`` ops
+    one at a time)."""
+    fused = fused_adamw_available(ctx.device)
     peak = 0
     for chunk in ctx.plan.adamw:
-        sizes = [p.numel() for p in map(local_tensor, chunk.params_of(ctx.param_groups))]
-        peak = max(peak, adamw_temp_bytes(sizes, ctx.workspace_bytes))
+        tensors = [local_tensor(p) for p in chunk.params_of(ctx.param_groups)]
+        if fused:
+            sizes = [t.numel() for t in tensors if not takes_parameter(t)]
+            peak = max(peak, adamw_temp_bytes(sizes, 1))  # one parameter a run
+            continue
+        peak = max(peak, adamw_temp_bytes([t.numel() for t in tensors], ctx.workspace_bytes))
     return peak

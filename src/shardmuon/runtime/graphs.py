@@ -19,6 +19,12 @@ node (:func:`shardmuon.ops.newton_schulz_guard.guarded_on_device`): the device d
 whether a matrix is recomputed, and the call makes no host synchronisation (eager, it makes
 one).
 
+Replays are ordered by an event recorded after each: a replay (or a capture) on another
+stream than the last one's waits for it, so the static buffers and the shared pool are
+never used by two streams at once. The kernels a call launches also depend on process-wide
+settings (TF32, reduced-precision reductions, the fused kernels on or off): they are part
+of the key. A change of device starts the cache afresh.
+
 Memory: each captured key keeps its static input and output (twice the stack's bf16 bytes);
 the intermediates of all captures share one pool, as large as the largest call's. At most
 ``MAX_GRAPHS`` keys are captured; later ones run eagerly. A capture that fails (a driver
@@ -40,7 +46,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from shardmuon.ops.newton_schulz_guard import Branch, GuardVerdict
+from shardmuon.ops.fused_normalize import kernels_enabled
+from shardmuon.ops.newton_schulz_guard import Branch, GuardVerdict, fp32_output_refusals
 from shardmuon.ops.orthogonalizer import Orthogonalizer
 
 __all__ = [
@@ -93,15 +100,23 @@ class CudaCapture:
 
     def capture(self, fn: Callable[[Branch], Any]) -> tuple[Any, Callable[[], None]]:
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the overlapped step captures on its own thread while the caller's
-        # forward runs on another.
-        with (
-            torch.cuda.device(self.device),
-            torch.cuda.graph(
-                graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
-            ),
-        ):
-            out = fn(_conditional_node)
+        current = torch.cuda.current_stream(self.device)
+        try:
+            # thread_local: the overlapped step captures on its own thread while the
+            # caller's forward runs on another.
+            with (
+                torch.cuda.device(self.device),
+                torch.cuda.graph(
+                    graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+                ),
+            ):
+                out = fn(_conditional_node)
+        finally:
+            # torch's graph context does not restore the caller's stream when the capture
+            # fails (capture_end raises first): the rest of the step must not run on the
+            # capture stream.
+            torch.cuda.set_stream(current)
+            current.wait_stream(self.stream)
         return out, graph.replay
 
 
@@ -132,6 +147,22 @@ def _tensors(value: Any) -> list[Tensor]:
     return []
 
 
+def _process_settings() -> tuple:
+    """The process-wide settings that choose the kernels a call launches (the GEMMs'
+    precision and reductions, the fused kernels on or off, the guard's fp32-output GEMM): a
+    replay must not keep kernels a changed setting would no longer choose."""
+    matmul = torch.backends.cuda.matmul
+    return (
+        torch.get_float32_matmul_precision(),
+        bool(matmul.allow_tf32),
+        bool(matmul.allow_bf16_reduced_precision_reduction),
+        bool(matmul.allow_fp16_reduced_precision_reduction),
+        bool(getattr(matmul, "allow_fp16_accumulation", False)),
+        kernels_enabled(),
+        fp32_output_refusals(),
+    )
+
+
 def call_key(orthogonalizer: Orthogonalizer, X: Tensor, coefficients, eps: float) -> tuple:
     """What identifies a captured call: everything its kernels depend on but the data."""
     coefficients = tuple(map(tuple, coefficients)) if coefficients is not None else None
@@ -142,6 +173,7 @@ def call_key(orthogonalizer: Orthogonalizer, X: Tensor, coefficients, eps: float
         orthogonalizer.engine_key(X),
         coefficients,
         float(eps),
+        _process_settings(),
     )
 
 
@@ -156,18 +188,37 @@ class _Graph:
 
 @dataclass
 class GraphCache:
-    """An optimizer's captured calls, across steps (rebuilt, empty, after a copy)."""
+    """An optimizer's captured calls on one device, across steps (rebuilt, empty, after a
+    copy, and when the parameters move to another device)."""
 
     capture: Capture | None = None
+    device: torch.device | None = None
     graphs: dict[tuple, _Graph] = field(default_factory=dict)
     warmed: set[tuple] = field(default_factory=set)
     refused: dict[tuple, str] = field(default_factory=dict)  # key -> why it runs eagerly
+    # Recorded after each replay: the next replay (on whatever stream) waits for it, so two
+    # streams never use the static buffers and the shared pool at once.
+    last_use: Any = None
 
     def wrap(self, orthogonalizer: Orthogonalizer, device: torch.device) -> GraphedOrthogonalizer:
         """``orthogonalizer`` with its calls captured and replayed on ``device``."""
-        if self.capture is None:
-            self.capture = CudaCapture(device)
+        if self.device != device:  # new, or the parameters moved: nothing captured applies
+            self.graphs.clear()
+            self.warmed.clear()
+            self.refused.clear()
+            self.capture, self.device, self.last_use = CudaCapture(device), device, None
         return GraphedOrthogonalizer(orthogonalizer, self)
+
+    def ordered(self) -> None:
+        """The current stream waits for the last use of the captured buffers (CUDA)."""
+        if self.last_use is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.last_use)
+
+    def used(self) -> None:
+        """Record this use of the captured buffers on the current stream (CUDA)."""
+        if self.device is not None and self.device.type == "cuda":
+            self.last_use = torch.cuda.Event()
+            self.last_use.record(torch.cuda.current_stream(self.device))
 
 
 def graphs_available(device: torch.device) -> bool:
@@ -220,18 +271,19 @@ class GraphedOrthogonalizer:
                 cache.refused[key] = f"more than {MAX_GRAPHS} distinct calls"
                 return self._eager(X, coefficients, eps)
             if key not in cache.warmed:
-                cache.warmed.add(key)
                 # The guard's recompute runs too (on no matrix that passed: the same
                 # result), so that the capture finds its kernels compiled.
                 out, masks, verdicts = cache.capture.warm(
                     lambda: self._reported(X, coefficients, eps, _always)
                 )
+                cache.warmed.add(key)  # only once it ran: a retry after a failure warms
                 self._masks.extend(masks)
                 self._verdicts.extend(verdicts)
                 return out
             graph = self._capture(key, X, coefficients, eps)
             if graph is None:
                 return self._eager(X, coefficients, eps)
+        cache.ordered()
         graph.static_in.copy_(X)
         graph.replay()
         self._masks.extend(mask.clone() for mask in graph.masks)
@@ -239,7 +291,9 @@ class GraphedOrthogonalizer:
             GuardVerdict(v.checked, v.fallback_count.clone(), v.worst_ratio_tensor.clone())
             for v in graph.verdicts
         )
-        return graph.static_out.clone()
+        out = graph.static_out.clone()
+        cache.used()
+        return out
 
     def _reported(
         self, X: Tensor, coefficients, eps: float, branch: Branch
@@ -253,10 +307,14 @@ class GraphedOrthogonalizer:
     def _capture(self, key: tuple, X: Tensor, coefficients, eps: float) -> _Graph | None:
         static_in = torch.empty_like(X)
         static_in.copy_(X)  # a capture computes nothing; the replay after it does
+        self.cache.ordered()
         try:
             (static_out, masks, verdicts), replay = self.cache.capture.capture(
                 lambda branch: self._reported(static_in, coefficients, eps, branch)
             )
+        except torch.OutOfMemoryError:
+            self.inner.take_report()
+            raise  # memory, not a refusal: the step fails as an eager one would; a retry captures
         except Exception as err:  # refused by the driver or by capture: eager from now on
             self.inner.take_report()
             self.cache.refused[key] = repr(err)
