@@ -96,9 +96,9 @@ fi
 # class on this GPU).
 step step-aol 40 $B "${STEP[@]}" --impl shardmuon --ns-preconditioner aol --json "$RES/step-aol.json"
 step step-auto 40 $B "${STEP[@]}" --impl shardmuon --ns-impl auto --json "$RES/step-auto.json"
-# Newton-Schulz calls replayed from CUDA graphs (rows 'shardmuon+graphs' beside eager,
-# interleaved), the default engine and the guarded Gram (whose guard then decides on the
-# device).
+# Newton-Schulz calls replayed from CUDA graphs, interleaved: each impl's default row (the
+# guarded calls captured), '+eager' (none) and '+graphs' (every call); the default engine
+# and the guarded Gram (whose guard decides on the device once captured).
 step step-graphs 60 $B "${STEP[@]}" --impl shardmuon,shardmuon-gram --cuda-graphs --order abba \
   --json "$RES/step-graphs.json"
 # Optimizer-state offload: the state in pinned host memory, streamed chunk by chunk.

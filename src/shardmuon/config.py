@@ -170,8 +170,9 @@ class MuonConfig(BaseModel):
     overlap: Literal["forward"] | None = None
     # "parameter": one AdamW chunk per parameter in chunks() (a caller-streamed offload).
     adamw_chunks: Literal["group", "parameter"] = "group"
-    # Newton-Schulz calls replayed as CUDA graphs (shardmuon.runtime.graphs).
-    cuda_graphs: bool = False
+    # Newton-Schulz calls replayed as CUDA graphs (shardmuon.runtime.graphs); None: the
+    # guarded calls only.
+    cuda_graphs: bool | None = None
     # The engine table's names (shardmuon.ops.engines.ENGINES, and "auto").
     newton_schulz_impl: str = "folded"
     newton_schulz_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"

@@ -179,12 +179,15 @@ class Muon(Optimizer):
         adamw_chunks: ``"group"`` (default): one AdamW chunk per group in :meth:`chunks`;
             ``"parameter"``: one per parameter (a trainer that moves each chunk's state to
             the device and back holds one parameter's at a time).
-        cuda_graphs: on CUDA, each distinct Newton–Schulz call (shape, engine) is captured
-            in a CUDA graph at its second call and replayed after (``runtime/graphs.py``):
-            one launch instead of some twenty, the same bits, and a guarded call decides
-            its recompute on the device (no host synchronisation). Each captured call
-            keeps its input and output (twice the stack's bf16 bytes) and the captures
-            share one pool of intermediates. Off by default; ignored off CUDA.
+        cuda_graphs: on CUDA, Newton–Schulz calls captured in CUDA graphs at their second
+            call (per shape and engine) and replayed after (``runtime/graphs.py``): one
+            launch instead of some twenty, the same bits; a guarded call then decides its
+            recompute on the device (no host synchronisation). ``True``: every call;
+            ``None`` (default): the guarded calls only (``newton_schulz_guard``, the Gram
+            engine's default), whose eager form reads the device once a call; ``False``:
+            none. Each captured call keeps its input and output (twice the stack's bf16
+            bytes, all of them within ``workspace_bytes``) and the captures share one pool
+            of intermediates. Ignored off CUDA.
 
     A matrix whose direction holds NaN or inf is skipped: its orthogonalized direction is
     zero (weight decay still applies), it is counted in ``last_step_stats.nonfinite_matrices``
@@ -227,7 +230,7 @@ class Muon(Optimizer):
         check_grads: str = "first",
         overlap: str | None = None,
         adamw_chunks: str = "group",
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
         world_mesh: Any = None,
         fsdp_mesh_dim: Any = None,
     ) -> None:
@@ -281,7 +284,7 @@ class Muon(Optimizer):
     # ``warmup``, as given (a class default for copies made before it existed).
     warmup_setting: bool | None = None
     adamw_chunks: str = "group"
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
 
     def _reset_runtime(self) -> None:
         """What is derived from the settings, not part of them (rebuilt after a copy)."""
@@ -612,8 +615,13 @@ class Muon(Optimizer):
         CUDA graphs where ``cuda_graphs`` is on and the parameters are on CUDA."""
         inner = self._newton_schulz_settings().orthogonalizer(self._auto_choices)
         device = self._device()
-        if self.cuda_graphs and graphs_available(device):
-            return self._graphs.wrap(inner, device)
+        if self.cuda_graphs is not False and graphs_available(device):
+            return self._graphs.wrap(
+                inner,
+                device,
+                guarded_only=self.cuda_graphs is None,
+                max_static_bytes=self._workspace_budget(),
+            )
         return inner
 
     def _context(self, param_groups: list[dict] | None = None) -> StepContext:

@@ -357,8 +357,11 @@ def check_optimizer_settings(
     _check_choice("check_grads", settings["check_grads"], CHECK_GRADS_CHOICES)
     _check_choice("overlap", settings.get("overlap"), overlap_choices)
     _check_choice("adamw_chunks", settings.get("adamw_chunks", "group"), ADAMW_CHUNKS_CHOICES)
-    for name in ("rotate_owners", "split_replicas", "cuda_graphs"):
-        if not isinstance(settings.get(name, False), bool):
+    graphs = settings.get("cuda_graphs")
+    if not (graphs is None or isinstance(graphs, bool)):
+        raise TypeError(f"cuda_graphs must be None, True or False, got {graphs!r}")
+    for name in ("rotate_owners", "split_replicas"):
+        if not isinstance(settings[name], bool):
             raise TypeError(f"{name} must be True or False, got {settings[name]!r}")
 
 

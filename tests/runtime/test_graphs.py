@@ -145,6 +145,24 @@ def test_beyond_max_graphs_calls_run_eagerly(monkeypatch) -> None:
     assert any("more than 2" in why for why in cache.refused.values())
 
 
+def test_the_static_buffers_stay_within_their_budget() -> None:
+    """Each capture keeps its input and output: a call whose two would pass the budget runs
+    eagerly (the same bits); the ones that fit are captured."""
+    small, large = (2, 8, 12), (4, 16, 24)
+    budget = 2 * 2 * (2 * 8 * 12) + 2 * 2 * (4 * 16 * 24) - 1  # both but one byte
+    capture = StandInCapture()
+    cache = GraphCache(capture=capture, max_static_bytes=budget)
+    graphed = GraphedOrthogonalizer(_engine("folded", torch.bfloat16, None, None), cache)
+    eager = _engine("folded", torch.bfloat16, None, None)
+    for shape in (small, small, small, large, large, large):
+        X = _inputs(len(cache.graphs), shape)
+        assert same_bits(
+            graphed(X.clone(), NS_PRESETS["dion"], 1e-7),
+            eager(X.clone(), NS_PRESETS["dion"], 1e-7),
+        )
+    assert len(cache.graphs) == 1 and cache.static_bytes == 2 * 2 * (2 * 8 * 12) <= budget
+
+
 def _with_top_singular_value(m: int, n: int, top: float, g: torch.Generator) -> torch.Tensor:
     U, _ = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=torch.float64))
     V, _ = torch.linalg.qr(torch.randn(n, m, generator=g, dtype=torch.float64))
@@ -218,10 +236,30 @@ def test_muon_with_cuda_graphs_steps_bitwise_like_eager(monkeypatch) -> None:
     assert all(same_bits(a, b) for a, b in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("impl", ["folded", "gram"])
+def test_by_default_only_the_guarded_calls_are_captured(monkeypatch, impl) -> None:
+    """``cuda_graphs=None`` (the default): the guarded calls (Gram's) replayed from graphs,
+    the others eager; the same bits either way."""
+    capture = StandInCapture()
+    monkeypatch.setattr(optimizer_module, "graphs_available", lambda device: True)
+    monkeypatch.setattr(graphs.GraphCache, "wrap", _wrap_with(capture))
+    results = []
+    for cuda_graphs in (None, False):
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(3, 16, 24, generator=gen))]
+        opt = Muon(params, lr=0.02, cuda_graphs=cuda_graphs, newton_schulz_impl=impl)
+        for _ in range(3):
+            params[0].grad = torch.randn(params[0].shape, generator=gen) * 0.01
+            opt.step()
+        results.append(params[0].detach().clone())
+    assert same_bits(*results)
+    assert (capture.captures > 0) == (impl == "gram")
+
+
 def _wrap_with(capture):
-    def wrap(self, orthogonalizer, device):
-        self.capture = capture
-        return GraphedOrthogonalizer(orthogonalizer, self)
+    def wrap(self, orthogonalizer, device, guarded_only=False, max_static_bytes=None):
+        self.capture, self.max_static_bytes = capture, max_static_bytes
+        return GraphedOrthogonalizer(orthogonalizer, self, guarded_only)
 
     return wrap
 

@@ -61,15 +61,18 @@ DEFAULT_OFF: dict[str, str] = {
 }
 WEIGHT_DECAY = 0.1
 # A shardmuon impl with this suffix runs with ``offload="state"`` (``--offload``), with
-# this one ``overlap="forward"`` (``--overlap``), with this one ``cuda_graphs=True``
-# (``--cuda-graphs``); several: ``IMPL+offload+overlap``.
+# this one ``overlap="forward"`` (``--overlap``), with these ``cuda_graphs=True`` and
+# ``False`` (``--cuda-graphs``; the plain row has the default, the guarded calls only);
+# several: ``IMPL+offload+overlap``.
 OFFLOAD_SUFFIX = "+offload"
 OVERLAP_SUFFIX = "+overlap"
 GRAPHS_SUFFIX = "+graphs"
+EAGER_SUFFIX = "+eager"
 _SUFFIX_OPTIONS = {
     OFFLOAD_SUFFIX: {"offload": "state"},
     OVERLAP_SUFFIX: {"overlap": "forward"},
     GRAPHS_SUFFIX: {"cuda_graphs": True},
+    EAGER_SUFFIX: {"cuda_graphs": False},
 }
 
 

@@ -22,6 +22,7 @@ from shardmuon.bench.kernels import DEVICE_PATHS, KernelConfig, measure_preset
 from shardmuon.bench.launch import launch, torchrun_world_size
 from shardmuon.bench.optimizers import (
     DEFAULT_OFF,
+    EAGER_SUFFIX,
     GRAPHS_SUFFIX,
     IMPLEMENTATIONS,
     OFFLOAD_SUFFIX,
@@ -115,17 +116,18 @@ def with_overlap(impls: list[str], overlap: str) -> list[str]:
 
 
 def with_graphs(impls: list[str], cuda_graphs: bool) -> list[str]:
-    """``--cuda-graphs``: each shardmuon impl also with ``cuda_graphs=True`` (``+graphs``)."""
-    return _beside(impls, GRAPHS_SUFFIX) if cuda_graphs else impls
+    """``--cuda-graphs``: each shardmuon impl also with ``cuda_graphs=False`` (``+eager``)
+    and ``True`` (``+graphs``), beside its default row (the guarded calls captured)."""
+    return _beside(impls, EAGER_SUFFIX, GRAPHS_SUFFIX) if cuda_graphs else impls
 
 
-def _beside(impls: list[str], suffix: str) -> list[str]:
-    """Each impl, and right after it each shardmuon impl with ``suffix``."""
+def _beside(impls: list[str], *suffixes: str) -> list[str]:
+    """Each impl, and right after it each shardmuon impl with each of ``suffixes``."""
     out = []
     for impl in impls:
         out.append(impl)
         if shardmuon_options(impl) is not None:
-            out.append(impl + suffix)
+            out.extend(impl + suffix for suffix in suffixes)
     return out
 
 
@@ -276,8 +278,9 @@ def add_parser(subparsers) -> None:
     )  # fmt: skip
     p.add_argument(
         "--cuda-graphs", action="store_true",
-        help="each shardmuon impl also with cuda_graphs=True (rows 'IMPL+graphs', beside it): "
-        "its Newton-Schulz calls replayed from CUDA graphs (ignored off CUDA)",
+        help="each shardmuon impl also with cuda_graphs=False (rows 'IMPL+eager') and True "
+        "('IMPL+graphs': every Newton-Schulz call replayed from a CUDA graph) beside its "
+        "default row (the guarded calls replayed); ignored off CUDA",
     )  # fmt: skip
     p.add_argument("--lr", type=positive_float, default=0.02, help="learning rate")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the random weights and grads")

@@ -185,6 +185,10 @@ class Orthogonalizer:
         name = self._engine_for(X.shape, X.device.type)
         return (name, self.dtype, self.restarts, self.preconditioner, self.guards[name])
 
+    def is_guarded(self, X: Tensor) -> bool:
+        """Whether a call on ``X`` is checked by the divergence guard."""
+        return self.guards[self._engine_for(X.shape, X.device.type)]
+
     def __call__(self, X: Tensor, coefficients, eps: float, branch: Branch | None = None) -> Tensor:
         """Newton–Schulz on ``X[B, m, n]``, bf16 ``[B, m, n]`` out. ``branch``: where a
         guarded call decides to recompute (``None``: on the host, once a call; a CUDA

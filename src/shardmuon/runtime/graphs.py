@@ -1,4 +1,5 @@
-"""Newton–Schulz calls replayed as CUDA graphs (``Muon(..., cuda_graphs=True)``).
+"""Newton–Schulz calls replayed as CUDA graphs (``Muon(cuda_graphs=...)``: ``True`` every
+call, ``None`` (default) the guarded calls only, ``False`` none).
 
 A call's Newton–Schulz is some twenty kernels (the GEMMs of five iterations, the
 normalisation, the casts) launched from Python; on a GPU the host time of an expert stack's
@@ -25,7 +26,8 @@ never used by two streams at once. The kernels a call launches also depend on pr
 settings (TF32, reduced-precision reductions, the fused kernels on or off): they are part
 of the key. A change of device starts the cache afresh.
 
-Memory: each captured key keeps its static input and output (twice the stack's bf16 bytes);
+Memory: each captured key keeps its static input and output (twice the stack's bf16 bytes),
+all of them within a budget (the optimizer's ``workspace_bytes``; a call past it runs eagerly);
 the intermediates of all captures share one pool, as large as the largest call's. At most
 ``MAX_GRAPHS`` keys are captured; later ones run eagerly. A capture that fails (a driver
 without conditional nodes, an operation capture refuses) is warned about once and its key
@@ -200,14 +202,29 @@ class GraphCache:
     # streams never use the static buffers and the shared pool at once.
     last_use: Any = None
 
-    def wrap(self, orthogonalizer: Orthogonalizer, device: torch.device) -> GraphedOrthogonalizer:
-        """``orthogonalizer`` with its calls captured and replayed on ``device``."""
+    # The static inputs and outputs the captures keep, and the most they may.
+    static_bytes: int = 0
+    max_static_bytes: int | None = None
+
+    def wrap(
+        self,
+        orthogonalizer: Orthogonalizer,
+        device: torch.device,
+        guarded_only: bool = False,
+        max_static_bytes: int | None = None,
+    ) -> GraphedOrthogonalizer:
+        """``orthogonalizer`` with its calls captured and replayed on ``device``
+        (``guarded_only``: only the guarded ones, whose eager form reads the device once a
+        call); the captures keep at most ``max_static_bytes`` of static buffers (``None``:
+        no limit beyond :data:`MAX_GRAPHS`)."""
+        self.max_static_bytes = max_static_bytes
         if self.device != device:  # new, or the parameters moved: nothing captured applies
             self.graphs.clear()
             self.warmed.clear()
             self.refused.clear()
+            self.static_bytes = 0
             self.capture, self.device, self.last_use = CudaCapture(device), device, None
-        return GraphedOrthogonalizer(orthogonalizer, self)
+        return GraphedOrthogonalizer(orthogonalizer, self, guarded_only)
 
     def ordered(self) -> None:
         """The current stream waits for the last use of the captured buffers (CUDA)."""
@@ -236,8 +253,10 @@ class GraphedOrthogonalizer:
     """An :class:`~shardmuon.ops.orthogonalizer.Orthogonalizer` whose calls are replayed
     from CUDA graphs where :func:`capturable` (the same interface: call, ``take_report``)."""
 
-    def __init__(self, inner: Orthogonalizer, cache: GraphCache) -> None:
-        self.inner, self.cache = inner, cache
+    def __init__(
+        self, inner: Orthogonalizer, cache: GraphCache, guarded_only: bool = False
+    ) -> None:
+        self.inner, self.cache, self.guarded_only = inner, cache, guarded_only
         self._masks: list[Tensor] = []
         self._verdicts: list[GuardVerdict] = []
 
@@ -260,7 +279,7 @@ class GraphedOrthogonalizer:
 
     def __call__(self, X: Tensor, coefficients, eps: float) -> Tensor:
         cache = self.cache
-        if not capturable(X):
+        if not capturable(X) or (self.guarded_only and not self.inner.is_guarded(X)):
             return self._eager(X, coefficients, eps)
         key = call_key(self.inner, X, coefficients, eps)
         if key in cache.refused:
@@ -270,6 +289,10 @@ class GraphedOrthogonalizer:
             if len(cache.graphs) >= MAX_GRAPHS:
                 cache.refused[key] = f"more than {MAX_GRAPHS} distinct calls"
                 return self._eager(X, coefficients, eps)
+            static = 2 * X.numel() * X.element_size()  # its static input and output
+            limit = cache.max_static_bytes
+            if limit is not None and cache.static_bytes + static > limit:
+                return self._eager(X, coefficients, eps)  # may fit after a device change
             if key not in cache.warmed:
                 # The guard's recompute runs too (on no matrix that passed: the same
                 # result), so that the capture finds its kernels compiled.
@@ -327,4 +350,5 @@ class GraphedOrthogonalizer:
             return None
         graph = _Graph(static_in, static_out, masks, verdicts, replay)
         self.cache.graphs[key] = graph
+        self.cache.static_bytes += static_in.nbytes + static_out.nbytes
         return graph
