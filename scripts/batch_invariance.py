@@ -1,4 +1,4 @@
-"""How often does a matrix round differently alone and inside a batch? (issue #19, class 9)
+"""How often does a matrix round differently alone and inside a batch?
 
 Orthogonalizes random small matrices with ``newton_schulz`` (the default, batched GEMMs) one
 at a time and as batches of 2 to 8, and counts matrices whose bf16 bits differ; then the

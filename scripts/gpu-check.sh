@@ -103,7 +103,7 @@ step step-graphs 60 $B "${STEP[@]}" --impl shardmuon,shardmuon-gram --cuda-graph
   --json "$RES/step-graphs.json"
 # Optimizer-state offload: the state in pinned host memory, streamed chunk by chunk.
 step step-offload 40 $B "${STEP[@]}" --impl shardmuon --offload state --json "$RES/step-offload.json"
-# The step behind the next forward (issue #32). bench step has no forward: 'held ms' is the
+# The step behind the next forward. bench step has no forward: 'held ms' is the
 # time step() holds the caller, beside the sequential step.
 step step-overlap 40 $B "${STEP[@]}" --impl shardmuon --overlap forward --json "$RES/step-overlap.json"
 # The training loop, sequential and overlapped (interleaved): "optimizer.step() held the

@@ -1,6 +1,6 @@
-"""Step transient memory per rank on the issue #12 workload, measured with the CPU profiler.
+"""Step transient memory per rank on a tiny Qwen3-MoE-like model, measured with the CPU profiler.
 
-The tiny Qwen3-MoE-like model of issue #12 (hidden 512, 4 layers: layer 0 dense, layers 1-3
+The tiny Qwen3-MoE-like model (hidden 512, 4 layers: layer 0 dense, layers 1-3
 with 8 experts as [8, 512, 512] / [8, 512, 256] stacks and an [8, 512] router; embed and
 lm_head [1024, 512] on AdamW), every weight a DTensor ``Shard(0)`` on a 1-D mesh (FSDP2's
 placement), Nesterov, weight decay 0.1, one thread per rank (gloo). One Newton-Schulz

@@ -38,7 +38,7 @@ __all__ = [
     "summarize",
 ]
 
-# Muon's targets against AdamW (issue #31): steps to AdamW's final loss at most this share.
+# Muon's targets against AdamW: steps to AdamW's final loss at most this share.
 STEPS_RATIO_TARGET = 0.7
 
 

@@ -1,5 +1,5 @@
 """Test matrices for Newton–Schulz accuracy: Gaussian, log-spaced spectrum, low rank plus
-noise (the three input kinds of issue #23), and the error measure used on them.
+noise, and the error measure used on them.
 
 ``make_input`` is the one-matrix CPU form (``scripts/gram_error.py`` and the tests);
 ``make_inputs`` builds a batch of a shape on any device (``shardmuon bench ns``), the same
