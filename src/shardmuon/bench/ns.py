@@ -372,7 +372,11 @@ def run(args: argparse.Namespace) -> int:
             ("redone", "Gram's matrices the divergence guard would recompute, of those checked"),
             ("speed-up", "unfolded time over folded time"),
             ("TFLOP/s", "folded: batch x iterations x (4 m^2 n + 2 m^3) FLOPs per call"),
-            ("of GEMM", "that rate over a plain bf16 X X^T GEMM on the same shape"),
+            (
+                "of GEMM",
+                "that rate over the fastest plain X X^T GEMM measured on the same shape (bf16 or "
+                "fp32, either layout): above 100% only in a disturbed run (see 'unstable')",
+            ),
             ("err", "||NS - NS_fp64|| / ||NS_fp64||, against the float64 iteration"),
         ],
     )

@@ -67,6 +67,30 @@ def _dims(shape: tuple[int, ...]) -> tuple[int, int, int]:
     return batch, m, n
 
 
+def _best_gemm_seconds(
+    G: torch.Tensor, device: torch.device, repeats: int, unstable: dict[str, list[float]]
+) -> float:
+    """The fastest plain ``X X^T`` on ``G``'s shape this machine does: bf16 and fp32, the
+    transpose contiguous or a view, each a median over ``repeats``. One layout or dtype can
+    take a slow path (bf16 on a CPU without AVX-512 ran 30x slower than fp32), which would
+    make a call that avoids it look faster than the GEMM it is measured against."""
+    best = float("inf")
+    for dtype in (torch.bfloat16, torch.float32):
+        X = G.to(dtype).reshape(-1, G.size(-2), G.size(-1))
+        if X.size(-2) > X.size(-1):
+            X = X.mT
+        X = X.contiguous()
+        Xt = X.mT.contiguous()
+        for layout, other in (("contiguous", Xt), ("view", X.mT)):
+            name = f"gemm-{str(dtype).removeprefix('torch.')}-{layout}"
+
+            def gemm(a: torch.Tensor = X, b: torch.Tensor = other) -> torch.Tensor:
+                return torch.bmm(a, b)
+
+            best = min(best, _median_time(name, gemm, device, repeats, unstable))
+    return best
+
+
 def newton_schulz_flops(shape: tuple[int, ...], iterations: int) -> float:
     """FLOPs of one call: per matrix ``[m, n]`` with ``m <= n``, ``4 m^2 n + 2 m^3`` per iteration.
 
@@ -108,11 +132,7 @@ def measure_shape(
     unfolded_s = _median_time(
         "unfolded", lambda: newton_schulz_unfolded(G, preset), device, repeats, unstable
     )
-    X = G.to(torch.bfloat16).reshape(-1, G.size(-2), G.size(-1))
-    if X.size(-2) > X.size(-1):
-        X = X.mT
-    Xt = X.mT.contiguous()
-    gemm_s = _median_time("gemm", lambda: torch.bmm(X, Xt), device, repeats, unstable)
+    gemm_s = _best_gemm_seconds(G, device, repeats, unstable)
     flops = newton_schulz_flops(shape, iterations)
     gemm_rate = gemm_flops(shape) / gemm_s
     folded_rate = flops / folded_s
