@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Any
 
 from shardmuon.bench.lm_report import (
@@ -62,6 +63,16 @@ DEFAULT_ADAMW_LRS = "0.001,0.002,0.004"
 DEFAULT_MUON_LRS = "0.005,0.01,0.02"
 DEFAULT_MUON_ADAMW_LRS = "0.004,0.008"  # the best (0.008) is the top: a wider grid may do better
 DEFAULT_STEPS = 150
+# --budget equal: 4 x 2 x 2 x 2 = 32 AdamW configurations, 4 x 4 x 2 = 32 Muon ones; the
+# comparison at 600 steps.
+EQUAL_ADAMW_LRS = "0.001,0.002,0.004,0.008"
+EQUAL_MUON_LRS = "0.005,0.01,0.02,0.04"
+EQUAL_MUON_ADAMW_LRS = "0.002,0.004,0.008,0.016"
+EQUAL_BETA2S = "0.95,0.99"
+EQUAL_WEIGHT_DECAYS = "0,0.1"
+EQUAL_WARMUPS = "20,60"
+EQUAL_SWEEP_STEPS = 150
+EQUAL_STEPS = 600
 DEFAULT_EVAL_EVERY = 10
 # Chosen to bind: Muon's max logit passes it about halfway through the default run.
 DEFAULT_QK_CLIP_THRESHOLD = 15.0
@@ -81,6 +92,34 @@ def _lrs(text: str) -> tuple[float, ...]:
             )
         values.append(value)
     return tuple(dict.fromkeys(values))
+
+
+def _numbers(text: str, check, accepted: str, kind=float) -> tuple:
+    values = []
+    for item in text.split(","):
+        try:
+            value = kind(item)
+        except ValueError:
+            value = None
+        if value is None or not check(value):
+            raise argparse.ArgumentTypeError(f"must be comma-separated {accepted}, got {text!r}")
+        values.append(value)
+    return tuple(dict.fromkeys(values))
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    """``--adamw-beta2s``: comma-separated numbers in [0, 1)."""
+    return _numbers(text, lambda v: 0 <= v < 1, "numbers in [0, 1) (e.g. 0.95,0.99)")
+
+
+def _decays(text: str) -> tuple[float, ...]:
+    """Weight-decay grids: comma-separated finite numbers >= 0."""
+    return _numbers(text, lambda v: 0 <= v < math.inf, "numbers >= 0 (e.g. 0,0.1)")
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """``--adamw-warmups``: comma-separated ints >= 0."""
+    return _numbers(text, lambda v: v >= 0, "ints >= 0 (e.g. 20,60)", kind=int)
 
 
 def _embedding_updates(text: str) -> tuple[str, ...]:
@@ -151,16 +190,45 @@ def add_parser(subparsers) -> None:
     )  # fmt: skip
     p.add_argument("--layers", type=positive_int, default=None, metavar="N",
                    help="only the preset's first N decoder layers (default: all)")  # fmt: skip
-    p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help="steps per run")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help=f"steps per run (default: {DEFAULT_STEPS}; --budget equal: "
+                   f"{EQUAL_STEPS}, the seeded comparison's)")  # fmt: skip
     p.add_argument("--seeds", type=positive_int, default=2, help="seeds per setting (0, 1, ...)")
-    p.add_argument("--adamw-lrs", type=_lrs, default=DEFAULT_ADAMW_LRS, metavar="LR,...",
-                   help="AdamW's lr grid")  # fmt: skip
-    p.add_argument("--muon-lrs", type=_lrs, default=DEFAULT_MUON_LRS, metavar="LR,...",
-                   help="Muon's lr grid")  # fmt: skip
     p.add_argument(
-        "--muon-adamw-lrs", type=_lrs, default=DEFAULT_MUON_ADAMW_LRS, metavar="LR,...",
+        "--budget", choices=("grid", "equal"), default="grid",
+        help="grid: the lr sweeps below, then the engines; equal: AdamW and Muon each tuned "
+        "over as many configurations (lr x beta2 x weight decay x warm-up against lr x "
+        "AdamW-group lr x weight decay), then each best on --final-seeds seeds, compared "
+        "under a significance rule (docs/benchmarks.md)",
+    )  # fmt: skip
+    p.add_argument("--adamw-lrs", type=_lrs, default=None, metavar="LR,...",
+                   help=f"AdamW's lr grid (default: {DEFAULT_ADAMW_LRS}; "
+                   f"--budget equal: {EQUAL_ADAMW_LRS})")  # fmt: skip
+    p.add_argument("--muon-lrs", type=_lrs, default=None, metavar="LR,...",
+                   help=f"Muon's lr grid (default: {DEFAULT_MUON_LRS}; "
+                   f"--budget equal: {EQUAL_MUON_LRS})")  # fmt: skip
+    p.add_argument(
+        "--muon-adamw-lrs", type=_lrs, default=None, metavar="LR,...",
         help="lr grid of Muon's AdamW group: the first with every --muon-lrs, the others at "
-        "Muon's best lr",
+        f"Muon's best lr (default: {DEFAULT_MUON_ADAMW_LRS}; --budget equal: every one with "
+        f"every Muon lr, {EQUAL_MUON_ADAMW_LRS})",
+    )  # fmt: skip
+    p.add_argument("--adamw-beta2s", type=_fractions, default=EQUAL_BETA2S, metavar="B,...",
+                   help="--budget equal: AdamW's beta2 grid")  # fmt: skip
+    p.add_argument("--adamw-weight-decays", type=_decays, default=EQUAL_WEIGHT_DECAYS,
+                   metavar="WD,...", help="--budget equal: AdamW's weight-decay grid")  # fmt: skip
+    p.add_argument("--adamw-warmups", type=_counts, default=EQUAL_WARMUPS, metavar="N,...",
+                   help="--budget equal: AdamW's warm-up grid (steps)")  # fmt: skip
+    p.add_argument("--muon-weight-decays", type=_decays, default=EQUAL_WEIGHT_DECAYS,
+                   metavar="WD,...", help="--budget equal: Muon's weight-decay grid")  # fmt: skip
+    p.add_argument("--sweep-steps", type=positive_int, default=EQUAL_SWEEP_STEPS,
+                   help="--budget equal: steps of each configuration's tuning run")  # fmt: skip
+    p.add_argument("--final-seeds", type=int_at_least(3), default=3,
+                   help="--budget equal: seeds of each best configuration")  # fmt: skip
+    p.add_argument(
+        "--resume", metavar="PATH", default=None,
+        help="--budget equal: append each finished run to PATH (JSON lines) and skip the "
+        "runs already there: an interrupted sweep goes on where it stopped",
     )  # fmt: skip
     p.add_argument(
         "--embedding-updates", type=_embedding_updates, default="adamw", metavar="NAME,...",
@@ -386,8 +454,25 @@ def _run_at_muons_best(base, args, rows, others, sweep: _Sweep) -> list[dict[str
     return more
 
 
+def _resolve_grids(args: argparse.Namespace) -> None:
+    """The lr grids not given: the grid sweep's defaults, or the equal budget's."""
+    equal = args.budget == "equal"
+    for name, grid, equal_grid in (
+        ("adamw_lrs", DEFAULT_ADAMW_LRS, EQUAL_ADAMW_LRS),
+        ("muon_lrs", DEFAULT_MUON_LRS, EQUAL_MUON_LRS),
+        ("muon_adamw_lrs", DEFAULT_MUON_ADAMW_LRS, EQUAL_MUON_ADAMW_LRS),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, _lrs(equal_grid if equal else grid))
+    if args.steps is None:
+        args.steps = EQUAL_STEPS if equal else DEFAULT_STEPS
+
+
 def run(args: argparse.Namespace) -> int:
-    """Check everything, run the three sweeps, print the tables, write the outputs."""
+    """Check everything, run the sweeps, print the tables, write the outputs."""
+    _resolve_grids(args)
+    if args.budget == "equal":
+        return _run_equal(args)
     check_outputs({"--json": args.json, "--plot": args.plot})
     base = _base_config(args)
     base.validate()  # the corpus, the process count, the model's positions: before any run
@@ -437,3 +522,122 @@ def run(args: argparse.Namespace) -> int:
         if not written:
             note(f"shardmuon bench lm: no plot written to {args.plot}: every run diverged")
     return 0
+
+
+def _tune_configs(base, jobs) -> list:
+    """One training config per ``(candidate, seed, steps)`` job of the equal budget."""
+    from shardmuon.train.config import optim_settings
+    from shardmuon.train.launch import ANNOUNCE
+    from shardmuon.train.loop import STOP_ON_DIVERGENCE
+
+    configs = []
+    for candidate, seed, steps in jobs:
+        optim = {"lr": candidate.lr, "weight_decay": candidate.weight_decay}
+        changes: dict[str, Any] = {}
+        if candidate.optimizer == "adamw":
+            optim["betas"] = (base.optim.betas[0], candidate.beta2)
+            changes.update(adamw_lr=None, embedding_update="adamw")
+            changes["warmup_steps"] = candidate.warmup
+        else:
+            changes["adamw_lr"] = candidate.adamw_lr
+        label = candidate.label()
+        extra = {
+            "setting": label,
+            "seed": seed,
+            ANNOUNCE: f"{label}, seed {seed}, {steps} steps",
+            STOP_ON_DIVERGENCE: True,
+        }
+        configs.append(
+            dataclasses.replace(
+                base,
+                optimizer=candidate.optimizer,
+                optim=optim_settings(base.optim, **optim),
+                seed=seed,
+                steps=steps,
+                extra=extra,
+                **changes,
+            )
+        )
+    return configs
+
+
+def _run_equal(args: argparse.Namespace) -> int:
+    """``--budget equal``: the tuning sweep, the best of each on seeds, the comparison."""
+    from shardmuon.bench.lm_tune import ResumeLog, grids, run_equal_budget
+
+    check_outputs({"--json": args.json})
+    if args.plot:
+        raise ValueError("--budget equal prints tables and writes --json; --plot is not drawn")
+    adamw, muon = grids(
+        args.adamw_lrs, args.adamw_beta2s, args.adamw_weight_decays, args.adamw_warmups,
+        args.muon_lrs, args.muon_adamw_lrs, args.muon_weight_decays,
+    )  # fmt: skip
+    base = _base_config(args)
+    base.validate()
+    log = ResumeLog(args.resume)
+    total = 2 * len(adamw) + 2 * args.final_seeds
+    note(
+        f"shardmuon bench lm --budget equal: {len(adamw)} AdamW and {len(muon)} Muon "
+        f"configurations of {args.sweep_steps} steps, then each best on {args.final_seeds} "
+        f"seeds of {args.steps} steps ({total} runs at {args.nproc} rank(s); "
+        f"{len(log.rows)} found in {args.resume})"
+        if args.resume
+        else f"shardmuon bench lm --budget equal: {len(adamw)} AdamW and {len(muon)} Muon "
+        f"configurations of {args.sweep_steps} steps, then each best on {args.final_seeds} "
+        f"seeds of {args.steps} steps ({total} runs at {args.nproc} rank(s)); --resume PATH "
+        "keeps each finished run"
+    )
+    result = run_equal_budget(
+        adamw,
+        muon,
+        sweep_steps=args.sweep_steps,
+        steps=args.steps,
+        final_seeds=args.final_seeds,
+        log=log,
+        run=lambda jobs: _run_all(_tune_configs(base, jobs)),
+    )
+    _print_equal(result)
+    if args.json:
+        from shardmuon.bench.report import environment
+
+        environ = environment(world_size=args.nproc, argv=getattr(args, "argv", None))
+        write_json(args.json, {"benchmark": "lm-equal-budget", "environment": environ, **result})
+        note_written(args.json, "results (JSON)")
+    return 0
+
+
+def _print_equal(result: dict[str, Any]) -> None:
+    from shardmuon.bench.report import print_table
+
+    for name in ("adamw", "muon"):
+        rows = sorted((r for r in result["sweep"] if r["candidate"]["optimizer"] == name),
+                      key=lambda r: r["final"])  # fmt: skip
+        print_table(
+            f"{name}: the {len(rows)} configurations, {result['sweep_steps']} steps, seed 0 "
+            "(final held-out loss, nats per byte; best first)",
+            ["configuration", "final"],
+            [[r["label"], f"{r['final']:.4f}" if math.isfinite(r["final"]) else "diverged"]
+             for r in rows],
+        )  # fmt: skip
+    c = result["comparison"]
+
+    def cell(side: dict[str, Any]) -> str:
+        if side["mean"] is None:
+            return "diverged"
+        std = "" if side["std"] is None else f" ± {side['std']:.4f}"
+        return f"{side['mean']:.4f}{std}"
+
+    print_table(
+        f"the best of each on {c['seeds'][0]} seeds, {result['steps']} steps",
+        ["optimizer", "configuration", "final held-out (mean ± std)"],
+        [[name, result["best"][name]["label"], cell(c[name])] for name in ("adamw", "muon")],
+    )
+    if c["score"] is None:
+        print("no comparison: a side diverged")
+        return
+    share = "never" if c["steps_share"] is None else f"{c['steps_share']:.2f}x its steps"
+    print(
+        f"rule: (AdamW's mean final - Muon's mean) x sqrt(n) >= {c['margin']}: "
+        f"{c['score']:.4f} -> Muon ends lower: {'yes' if c['ends_lower'] else 'no'}; "
+        f"reaches AdamW's final loss with that margin at: {share}"
+    )
