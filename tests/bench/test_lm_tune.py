@@ -113,7 +113,7 @@ def test_the_command_end_to_end_and_resumed(tmp_path) -> None:
         "--muon-weight-decays", "0", "--sweep-steps", "4", "--steps", "6", "--final-seeds", "3",
         "--nproc", "1", "--eval-every", "2", "--eval-sequences", "4", "--data-bytes", "200000",
         "--batch-size", "4", "--seq-len", "64", "--warmup", "2", "--resume", str(log),
-        "--json", str(out), "--no-progress",
+        "--json", str(out), "--plot", str(tmp_path / "equal.png"), "--no-progress",
     ]  # fmt: skip
     first = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -121,6 +121,7 @@ def test_the_command_end_to_end_and_resumed(tmp_path) -> None:
     result = json.loads(out.read_text())
     assert result["budget"] == {"adamw": 1, "muon": 1}
     assert len(result["final_runs"]["muon"]) == 3 and "rule:" in first.stdout
+    assert (tmp_path / "equal.png").stat().st_size > 10_000
     second = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0 and "8 found in" in second.stderr
     assert "seed 0, 4 steps" not in second.stderr  # nothing trained again

@@ -565,9 +565,7 @@ def _run_equal(args: argparse.Namespace) -> int:
     """``--budget equal``: the tuning sweep, the best of each on seeds, the comparison."""
     from shardmuon.bench.lm_tune import ResumeLog, grids, run_equal_budget
 
-    check_outputs({"--json": args.json})
-    if args.plot:
-        raise ValueError("--budget equal prints tables and writes --json; --plot is not drawn")
+    check_outputs({"--json": args.json, "--plot": args.plot})
     adamw, muon = grids(
         args.adamw_lrs, args.adamw_beta2s, args.adamw_weight_decays, args.adamw_warmups,
         args.muon_lrs, args.muon_adamw_lrs, args.muon_weight_decays,
@@ -603,6 +601,14 @@ def _run_equal(args: argparse.Namespace) -> int:
         environ = environment(world_size=args.nproc, argv=getattr(args, "argv", None))
         write_json(args.json, {"benchmark": "lm-equal-budget", "environment": environ, **result})
         note_written(args.json, "results (JSON)")
+    if args.plot:
+        from shardmuon.bench.lm_report import plot_equal_budget
+
+        written = plot_equal_budget(result, args.plot)
+        if written is None:
+            note(f"shardmuon bench lm: no plot written to {args.plot}: a best run diverged")
+        else:
+            note_written(written, "the two best on their seeds (PNG)")
     return 0
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "diverged",
     "every_run_diverged_line",
     "final_loss",
+    "plot_equal_budget",
     "plot_lm",
     "print_lm_tables",
     "steps_to_reach",
@@ -345,6 +346,32 @@ def _zoom_on_tail(ax, lows: Sequence[float], highs: Sequence[float]) -> None:
     top = max(h[len(h) // 5] for h in highs)
     bottom = min(min(lo) for lo in lows)
     ax.set_ylim(bottom - 0.05 * (top - bottom), top)
+
+
+def plot_equal_budget(result: dict[str, Any], path: Path) -> Path | None:
+    """``--budget equal``: the two best configurations' held-out loss on their seeds (mean,
+    band: the seeds' range) and AdamW's mean final loss; ``None`` if a side diverged."""
+    runs = result["final_runs"]
+    if any(r.get("diverged") or not r["eval"] for side in runs.values() for r in side):
+        return None
+    fig, ax = _new_figure()
+    lows, highs = [], []
+    for name in ("adamw", "muon"):
+        tokens, mean, low, high = _curve(runs[name])
+        label = f"{result['best'][name]['label']} ({len(runs[name])} seeds)"
+        (line,) = ax.plot(tokens, mean, marker="o", markersize=3, label=label)
+        ax.fill_between(tokens, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+        lows.append(low)
+        highs.append(high)
+    target = result["comparison"]["adamw"]["mean"]
+    ax.axhline(target, color="gray", linestyle=":", label="AdamW's mean final")
+    _zoom_on_tail(ax, lows, highs)
+    _token_axis(ax)
+    ax.set_ylabel("held-out loss (nats per byte)")
+    ax.set_title("Muon vs an equally tuned AdamW (band: seed range)")
+    ax.grid(True, alpha=0.3)
+    _legend_beside(ax)
+    return _save(fig, Path(path))
 
 
 def _plot_optimizers(groups, summary, path: Path) -> Path | None:
