@@ -78,9 +78,11 @@ def test_the_sweep_chooses_from_its_runs_and_reruns_the_best_on_seeds(tmp_path) 
     result = run_equal_budget(
         adamw, muon, sweep_steps=20, steps=60, final_seeds=3, log=log, run=run
     )
-    assert [len(jobs) for jobs in calls] == [4, 3, 3]
+    assert [len(jobs) for jobs in calls] == [1] * 10  # one run at a time, each logged
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 10
     assert result["best"]["adamw"]["lr"] == 2e-3 and result["best"]["muon"]["lr"] == 0.02
-    assert {(c.lr, seed, steps) for c, seed, steps in calls[1]} == {(2e-3, s, 60) for s in range(3)}
+    finals = {(c.lr, seed, steps) for jobs in calls[4:7] for c, seed, steps in jobs}
+    assert finals == {(2e-3, s, 60) for s in range(3)}
     assert result["comparison"]["ends_lower"]
     # Again with the log: nothing trains, the same result.
     calls.clear()
@@ -126,3 +128,28 @@ def test_the_command_end_to_end_and_resumed(tmp_path) -> None:
     assert second.returncode == 0 and "8 found in" in second.stderr
     assert "seed 0, 4 steps" not in second.stderr  # nothing trained again
     assert json.loads(out.read_text())["comparison"] == result["comparison"]
+
+
+def test_an_interrupted_sweep_keeps_its_finished_runs(tmp_path) -> None:
+    adamw, muon = grids((1e-3, 2e-3), (0.95,), (0.0,), (20,), (0.01, 0.02), (4e-3,), (0.0,))
+    trained = []
+
+    def run(jobs, fail_at=None):
+        (job,) = jobs
+        if len(trained) == fail_at:
+            raise KeyboardInterrupt
+        trained.append(job)
+        return [_row([3.0, 2.0 + job[0].lr], every=job[2] // 2)]
+
+    path = tmp_path / "runs.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        run_equal_budget(
+            adamw, muon, sweep_steps=20, steps=40, final_seeds=3, log=ResumeLog(path),
+            run=lambda jobs: run(jobs, fail_at=3),
+        )  # fmt: skip
+    assert len(path.read_text().splitlines()) == 3
+    done, trained[:] = list(trained), []
+    run_equal_budget(
+        adamw, muon, sweep_steps=20, steps=40, final_seeds=3, log=ResumeLog(path), run=run
+    )
+    assert not set(trained) & set(done) and len(done) + len(trained) == 10

@@ -593,6 +593,7 @@ def _run_equal(args: argparse.Namespace) -> int:
         final_seeds=args.final_seeds,
         log=log,
         run=lambda jobs: _run_all(_tune_configs(base, jobs)),
+        progress=lambda k, n, job: note(f"shardmuon bench lm: run {k} of {n} to go"),
     )
     _print_equal(result)
     if args.json:

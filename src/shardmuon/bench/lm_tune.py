@@ -192,15 +192,21 @@ def run_equal_budget(
     final_seeds: int,
     log: ResumeLog,
     run: RunFn,
+    progress: Callable[[int, int, tuple[Candidate, int, int]], None] | None = None,
 ) -> dict[str, Any]:
     """The sweep (every candidate, seed 0, ``sweep_steps``), then the best of each on
     ``final_seeds`` seeds at ``steps``; runs found in ``log`` are not run again.
     ``run(jobs)`` trains ``(candidate, seed, steps)`` jobs and returns one row each (with
-    ``eval`` and ``diverged``). Returns the sweep's table, the bests and the comparison."""
+    ``eval`` and ``diverged``), called with one job at a time so that each finished run is
+    logged before the next starts; ``progress(k, n, job)`` before each. Returns the sweep's
+    table, the bests and the comparison."""
 
     def rows_of(jobs: Sequence[tuple[Candidate, int, int]]) -> list[dict[str, Any]]:
         todo = [job for job in jobs if log.get(run_key(*job)) is None]
-        for job, row in zip(todo, run(todo) if todo else []):
+        for number, job in enumerate(todo, 1):
+            if progress is not None:
+                progress(number, len(todo), job)
+            (row,) = run([job])  # one at a time: each is in the log as soon as it ends
             log.add(run_key(*job), row)
         return [log.get(run_key(*job)) for job in jobs]
 
