@@ -125,6 +125,9 @@ class ResumeLog:
     def get(self, key: str) -> dict[str, Any] | None:
         return self.rows.get(key)
 
+    def __getitem__(self, key: str) -> dict[str, Any]:
+        return self.rows[key]
+
     def add(self, key: str, row: dict[str, Any]) -> None:
         row = {**row, "key": key}
         self.rows[key] = row
@@ -208,7 +211,7 @@ def run_equal_budget(
                 progress(number, len(todo), job)
             (row,) = run([job])  # one at a time: each is in the log as soon as it ends
             log.add(run_key(*job), row)
-        return [log.get(run_key(*job)) for job in jobs]
+        return [log[run_key(*job)] for job in jobs]
 
     sweep = rows_of([(c, 0, sweep_steps) for c in [*adamw, *muon]])
     table = [
@@ -217,8 +220,8 @@ def run_equal_budget(
     ]
     best = {}
     for name, candidates in (("adamw", adamw), ("muon", muon)):
-        finals = {c: _final(log.get(run_key(c, 0, sweep_steps))) for c in candidates}
-        chosen = min(finals, key=finals.get)
+        finals = {c: _final(log[run_key(c, 0, sweep_steps)]) for c in candidates}
+        chosen = min(finals, key=lambda c: finals[c])
         if not math.isfinite(finals[chosen]):
             raise RuntimeError(f"every {name} configuration diverged: no best to compare")
         best[name] = chosen

@@ -370,7 +370,9 @@ def drop_duplicate_configs(
     ``--ns-impl gram`` makes ``shardmuon-gram`` (and ``shardmuon-unfolded``) ``shardmuon``
     again: two rows of one configuration would differ by noise only.
     """
-    kept, dropped, seen = [], {}, {}
+    kept: list[str] = []
+    dropped: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
     for impl in impls:
         options = shardmuon_options(impl)
         if options is None:

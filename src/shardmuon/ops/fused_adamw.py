@@ -189,7 +189,7 @@ def _matches(device: torch.device, form: KernelForm) -> bool:
         for s in _probe_scalars():
             X, G, M, V = _probe_inputs(device, param_dtype)
             want = [t.clone() for t in (X, G, M, V)]
-            adamw_into_reference(*want, s)
+            adamw_into_reference(want[0], want[1], want[2], want[3], s)
             launch(X, G, M, V, s, form)
             for got, ref in zip((X, M, V), (want[0], want[2], want[3])):
                 if not torch.equal(got.view(torch.uint8), ref.view(torch.uint8)):

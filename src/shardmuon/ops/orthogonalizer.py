@@ -170,7 +170,8 @@ class Orthogonalizer:
     def _engine_for(self, shape: Sequence[int], device_type: str) -> str:
         if self.impl != "auto":
             return self.impl
-        measured = self.choices.get(tuple(sorted(shape[-2:])))
+        short, long = sorted(shape[-2:])
+        measured = self.choices.get((short, long))
         return measured or auto_choice(shape, device_type)
 
     def take_report(self) -> tuple[list[Tensor], list[GuardVerdict]]:

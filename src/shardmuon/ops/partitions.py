@@ -148,7 +148,7 @@ def row_scales(
     equal scale are one range (a fused gate_up's two halves: one update pass, same bits).
     """
     blocks = partitions or (rows,)
-    ranges = []
+    ranges: list[tuple[int, int, float]] = []
     local_start = 0
     for first, last in local_row_ranges:
         block_start = 0

@@ -10,6 +10,7 @@ any twice. With offload the state comes staged on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
@@ -59,7 +60,7 @@ def step_adamw(
         if progress is not None:
             progress.done += 1
 
-    hyper = dict(
+    hyper: dict[str, Any] = dict(
         lr=setting_float(group["lr"]),
         beta1=setting_float(group["beta1"]),
         beta2=setting_float(group["beta2"]),
@@ -68,7 +69,7 @@ def step_adamw(
         step=int(group["step"]),
     )
     tensors = [local_tensor(p) for p in params]
-    grads = [local_tensor(ctx.grad(p)) for p in params]
+    grads = [local_tensor(_grad(ctx, p)) for p in params]
     if fused_adamw_available(ctx.device):
         # One kernel per parameter, no temporaries: the same bits (ops.fused_adamw).
         args = adamw_scalars(**hyper).as_args()
@@ -85,6 +86,12 @@ def step_adamw(
         max_temp_bytes=ctx.workspace_bytes,
         on_param_done=done,
     )
+
+
+def _grad(ctx: StepContext, param: Tensor) -> Tensor:
+    grad = ctx.grad(param)
+    assert grad is not None  # adamw_params keeps the parameters with grads
+    return grad
 
 
 def adamw_peak_bytes(ctx: StepContext) -> int:

@@ -296,6 +296,7 @@ class GraphedOrthogonalizer:
             if key not in cache.warmed:
                 # The guard's recompute runs too (on no matrix that passed: the same
                 # result), so that the capture finds its kernels compiled.
+                assert cache.capture is not None  # set by GraphCache.wrap
                 out, masks, verdicts = cache.capture.warm(
                     lambda: self._reported(X, coefficients, eps, _always)
                 )
@@ -331,6 +332,7 @@ class GraphedOrthogonalizer:
         static_in = torch.empty_like(X)
         static_in.copy_(X)  # a capture computes nothing; the replay after it does
         self.cache.ordered()
+        assert self.cache.capture is not None  # set by GraphCache.wrap
         try:
             (static_out, masks, verdicts), replay = self.cache.capture.capture(
                 lambda branch: self._reported(static_in, coefficients, eps, branch)
