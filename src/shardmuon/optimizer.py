@@ -312,6 +312,13 @@ class Muon(Optimizer):
         self._graphs = GraphCache()
 
     @property
+    def auto_choices(self) -> dict[tuple[int, int], str] | None:
+        """``newton_schulz_impl="auto"``: the engine measured for each ``(short, long)``
+        shape class (a copy), once the first step calibrated it; ``None`` before, or with
+        another engine."""
+        return None if self._auto_choices is None else dict(self._auto_choices)
+
+    @property
     def last_step_stats(self) -> StepStats:
         """The last step's counters (``runtime/telemetry.py``); an overlapped step's once it
         is done: reading them waits for it (raising its failure, as :meth:`synchronize`)."""

@@ -119,7 +119,7 @@ def test_auto_keeps_the_step_within_the_budget_whichever_candidate_it_picks(
     )
     params = _params([(64, 320)] * 4 + [(4, 48, 160)] * 2)
     opt, memory = _measure(params, newton_schulz_impl="auto", workspace_bytes=budget)
-    assert set(opt._auto_choices.values()) == {"gram"}, opt._auto_choices
+    assert set(opt.auto_choices.values()) == {"gram"}, opt.auto_choices
     stats = opt.last_step_stats
     assert stats.ns_checked > 0  # Gram ran, guarded
     scratch = gemm_scratch_bytes(stats.ns_calls, _gemm_dtypes("gram", torch.bfloat16))

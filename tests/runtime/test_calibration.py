@@ -58,7 +58,7 @@ def test_auto_runs_the_faster_candidate_per_class_and_times_each_class_once(monk
     start = [p.detach().clone() for p in params]
     opt = Muon(params, lr=0.1, newton_schulz_impl="auto")
     opt.step()
-    assert opt._auto_choices == {(16, 96): "gram", (32, 40): "folded"}
+    assert opt.auto_choices == {(16, 96): "gram", (32, 40): "folded"}
     assert sorted(timed) == [(1, 16, 96), (1, 32, 40)]
     # What ran: Gram for the wide class, folded for the other (the pure functions' bits).
     U = [grads[0].bfloat16(), grads[1].bfloat16()]
@@ -77,9 +77,9 @@ def test_real_timings_choose_a_candidate_for_every_class() -> None:
         p.grad = torch.randn(p.shape)
     opt = Muon(params, newton_schulz_impl="auto")
     opt.step()
-    assert set(opt._auto_choices) == {(8, 64), (16, 16)}
-    assert set(opt._auto_choices.values()) <= {"folded", "gram"}
-    assert opt._auto_choices[(16, 16)] == "folded"  # square: Gram is the folded iteration
+    assert set(opt.auto_choices) == {(8, 64), (16, 16)}
+    assert set(opt.auto_choices.values()) <= {"folded", "gram"}
+    assert opt.auto_choices[(16, 16)] == "folded"  # square: Gram is the folded iteration
 
 
 def test_other_engines_do_not_calibrate(monkeypatch) -> None:
@@ -126,7 +126,7 @@ def test_a_candidate_that_fails_while_timed_is_skipped_with_a_warning(monkeypatc
     assert len(notes) == 2, notes  # (16, 96) and (8, 40); the square class is not timed
     assert "timing the 'gram' engine on shape class (16, 96) (timed as a [2, 16, 96]" in notes[1]
     assert f"{type(error).__name__}: {first_line}" in notes[1]
-    assert opt._auto_choices == {(8, 40): "folded", (16, 96): "folded", (24, 24): "folded"}
+    assert opt.auto_choices == {(8, 40): "folded", (16, 96): "folded", (24, 24): "folded"}
     _steps(opt, params, [2])  # no error, no new timing
     ref = Muon(reference, lr=0.1)
     _steps(ref, reference, [1, 2])
@@ -146,7 +146,7 @@ def test_when_every_candidate_fails_the_class_runs_the_default_engine(monkeypatc
     assert "no candidate engine could be timed on shape class (16, 96)" in notes[2]
     assert "folded: RuntimeError: b; gram: RuntimeError: a" in notes[2]
     assert notes[2].endswith("it runs the default engine 'folded'")
-    assert opt._auto_choices == {(16, 96): "folded"}
+    assert opt.auto_choices == {(16, 96): "folded"}
 
 
 def test_a_timer_that_raises_falls_back_to_the_default_engine(monkeypatch):
@@ -160,7 +160,7 @@ def test_a_timer_that_raises_falls_back_to_the_default_engine(monkeypatch):
     opt = Muon(params, newton_schulz_impl="auto")
     with pytest.warns(RuntimeWarning, match="every candidate: OutOfMemoryError: no room"):
         _steps(opt, params, [1])
-    assert opt._auto_choices == {(16, 96): "folded"}
+    assert opt.auto_choices == {(16, 96): "folded"}
 
 
 def test_a_loaded_state_dict_brings_its_table_and_the_steps_stay_bitwise(monkeypatch):
@@ -171,7 +171,7 @@ def test_a_loaded_state_dict_brings_its_table_and_the_steps_stay_bitwise(monkeyp
     params = _params(WIDE)
     opt = Muon(params, lr=0.1, newton_schulz_impl="auto")
     _steps(opt, params, [1])
-    assert opt._auto_choices[(16, 96)] == "gram"
+    assert opt.auto_choices[(16, 96)] == "gram"
     buffer = io.BytesIO()
     torch.save({"params": params, "optimizer": opt.state_dict()}, buffer)
     saved = opt.state_dict()[calibration.STATE_DICT_KEY]
@@ -195,7 +195,7 @@ def test_a_loaded_state_dict_brings_its_table_and_the_steps_stay_bitwise(monkeyp
     again.load_state_dict(blob["optimizer"])
     _steps(again, resumed, [2, 3])
     assert timed == []
-    assert again._auto_choices == opt._auto_choices
+    assert again.auto_choices == opt.auto_choices
     assert all(torch.equal(p, q) for p, q in zip(params, resumed))
     assert again.state_dict()[calibration.STATE_DICT_KEY] == saved
 
@@ -207,7 +207,7 @@ def test_a_loaded_state_dict_brings_its_table_and_the_steps_stay_bitwise(monkeyp
     measured.load_state_dict(plain)
     _steps(measured, fresh, [2, 3])
     assert sorted(timed) == [(1, 8, 40), (2, 16, 96)]
-    assert measured._auto_choices[(16, 96)] == "folded"
+    assert measured.auto_choices[(16, 96)] == "folded"
     assert not torch.equal(fresh[0], params[0])
 
 
@@ -223,7 +223,7 @@ def test_a_copy_keeps_the_loaded_table(monkeypatch):
     other.load_state_dict(state)
     twin = copy.deepcopy(other)
     _steps(twin, [p for g in twin.param_groups for p in g["params"]], [2])
-    assert twin._auto_choices == opt._auto_choices
+    assert twin.auto_choices == opt.auto_choices
 
 
 def test_a_table_measured_under_other_settings_is_measured_anew(monkeypatch):
@@ -236,7 +236,7 @@ def test_a_table_measured_under_other_settings_is_measured_anew(monkeypatch):
     other = Muon(_params([(16, 96)]), newton_schulz_impl="auto", newton_schulz_dtype="float32")
     other.load_state_dict(state)
     _steps(other, [p for g in other.param_groups for p in g["params"]], [2])
-    assert other._auto_choices == {(16, 96): "folded"}
+    assert other.auto_choices == {(16, 96): "folded"}
     assert other.state_dict()[calibration.STATE_DICT_KEY]["settings"]["dtype"] == "torch.float32"
 
 

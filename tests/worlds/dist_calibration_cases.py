@@ -83,7 +83,7 @@ def every_rank_runs_rank_0s_choice(ctx: Context) -> None:
             p.grad = distribute_tensor(grad, ctx.mesh, [Replicate()])
         opt = Muon(params, lr=0.1, newton_schulz_impl="auto")
         opt.step()
-        assert opt._auto_choices == {(16, 96): "gram", (24, 24): "folded"}, opt._auto_choices
+        assert opt.auto_choices == {(16, 96): "gram", (24, 24): "folded"}, opt.auto_choices
         # The same bits on every rank, and those of one process with gram for (16, 96).
         reference = [torch.nn.Parameter(t.clone()) for t in full]
         for p, grad in zip(reference, grads):
@@ -143,7 +143,7 @@ def a_candidate_failing_on_rank_0_is_skipped_on_every_rank(ctx: Context) -> None
         notes = _auto_notes(caught)
         assert len(notes) == 1 and "'gram' engine on shape class (16, 96)" in notes[0], notes
         assert "OutOfMemoryError: CUDA out of memory" in notes[0], notes
-        assert opt._auto_choices == {(16, 96): "folded", (24, 24): "folded"}, opt._auto_choices
+        assert opt.auto_choices == {(16, 96): "folded", (24, 24): "folded"}, opt.auto_choices
         _step(params, opt, 2)
         _same_on_every_rank(ctx, notes, [p.to_local() for p in params])
 
@@ -159,7 +159,7 @@ def every_candidate_failing_on_rank_0_runs_folded_on_every_rank(ctx: Context) ->
             _step(params, opt, 1)
         notes = _auto_notes(caught)
         assert len(notes) == 3 and "runs the default engine 'folded'" in notes[2], notes
-        assert opt._auto_choices == {(16, 96): "folded"}, opt._auto_choices
+        assert opt.auto_choices == {(16, 96): "folded"}, opt.auto_choices
         _same_on_every_rank(ctx, notes)
 
 
@@ -199,7 +199,7 @@ def a_loaded_table_rules_on_every_rank(ctx: Context) -> None:
         again = Muon(_replicated(ctx, [(16, 96), (24, 24)]), lr=0.1, newton_schulz_impl="auto")
         again.load_state_dict(state)
         _step([p for p in again.param_groups[0]["params"]], again, 2)
-        assert again._auto_choices == {(16, 96): "gram", (24, 24): "folded"}, again._auto_choices
+        assert again.auto_choices == {(16, 96): "gram", (24, 24): "folded"}, again.auto_choices
 
 
 CASES: dict[str, Callable[[Context], None]] = {
