@@ -354,47 +354,53 @@ def plot_equal_budget(result: dict[str, Any], path: Path) -> Path | None:
     runs = result["final_runs"]
     if any(r.get("diverged") or not r["eval"] for side in runs.values() for r in side):
         return None
+    curves = [
+        (runs[name], f"{result['best'][name]['label']} ({len(runs[name])} seeds)")
+        for name in ("adamw", "muon")
+    ]
+    target = (result["comparison"]["adamw"]["mean"], "AdamW's mean final")
+    title = "Muon vs an equally tuned AdamW (band: seed range)"
+    return _seed_bands(curves, target, title, Path(path))
+
+
+def _seed_bands(
+    curves: Sequence[tuple[Sequence[dict[str, Any]], str]],
+    target: tuple[float, str] | None,
+    title: str,
+    path: Path,
+) -> Path:
+    """Each ``(runs, label)``'s held-out loss (mean over the seeds, band: their range)
+    against training tokens, a dotted line at ``target``, zoomed on the tail."""
     fig, ax = _new_figure()
     lows, highs = [], []
-    for name in ("adamw", "muon"):
-        tokens, mean, low, high = _curve(runs[name])
-        label = f"{result['best'][name]['label']} ({len(runs[name])} seeds)"
+    for group, label in curves:
+        tokens, mean, low, high = _curve(group)
         (line,) = ax.plot(tokens, mean, marker="o", markersize=3, label=label)
         ax.fill_between(tokens, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
         lows.append(low)
         highs.append(high)
-    target = result["comparison"]["adamw"]["mean"]
-    ax.axhline(target, color="gray", linestyle=":", label="AdamW's mean final")
+    if target is not None:
+        ax.axhline(target[0], color="gray", linestyle=":", label=target[1])
     _zoom_on_tail(ax, lows, highs)
     _token_axis(ax)
     ax.set_ylabel("held-out loss (nats per byte)")
-    ax.set_title("Muon vs an equally tuned AdamW (band: seed range)")
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     _legend_beside(ax)
-    return _save(fig, Path(path))
+    return _save(fig, path)
 
 
 def _plot_optimizers(groups, summary, path: Path) -> Path | None:
     keys = [key for key in (summary["adamw"], summary["muon"]) if key is not None]
     if not keys:
         return None  # every run diverged: no curve to draw
-    fig, ax = _new_figure()
-    lows, highs = [], []
-    for key in keys:
-        tokens, mean, low, high = _curve(groups[tuple(key)])
-        (line,) = ax.plot(tokens, mean, marker="o", markersize=3, label=_label(key))
-        ax.fill_between(tokens, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-        lows.append(low)
-        highs.append(high)
-    if summary["target_loss"] is not None:
-        ax.axhline(summary["target_loss"], color="gray", linestyle=":", label="AdamW's final")
-    _zoom_on_tail(ax, lows, highs)
-    _token_axis(ax)
-    ax.set_ylabel("held-out loss (nats per byte)")
-    ax.set_title("Muon vs AdamW, byte-level LM, held-out loss (band: seed range)")
-    ax.grid(True, alpha=0.3)
-    _legend_beside(ax)
-    return _save(fig, path)
+    target = summary["target_loss"]
+    return _seed_bands(
+        [(groups[tuple(key)], _label(key)) for key in keys],
+        None if target is None else (target, "AdamW's final"),
+        "Muon vs AdamW, byte-level LM, held-out loss (band: seed range)",
+        path,
+    )
 
 
 def _engine_entries(summary) -> list[dict[str, Any]]:

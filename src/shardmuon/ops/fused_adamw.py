@@ -30,12 +30,12 @@ import torch
 from torch import Tensor
 
 from shardmuon.ops.adamw import AdamWScalars, foreach_adamw_
+from shardmuon.ops.fused_momentum import _GRAD_KINDS
 from shardmuon.ops.fused_normalize import _triton, kernels_enabled, run_on_device
 
 __all__ = ["adamw_into", "adamw_into_reference", "fused_adamw_available", "takes_parameter"]
 
 _BLOCK = 2048
-_GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @functools.cache

@@ -218,6 +218,19 @@ def _ratios(out: Tensor, band: float, slack: float) -> tuple[Tensor, Tensor, Ten
     )
 
 
+def _empty_verdict(out: Tensor) -> GuardVerdict:
+    return GuardVerdict(0, _zero(torch.int64, out.device), _zero(torch.float32, out.device))
+
+
+def _checked(
+    out: Tensor, coefficients: Coefficients, slack: float
+) -> tuple[Tensor, float, tuple[Tensor, Tensor, Tensor]]:
+    """``out`` as ``[B, m, n]`` (a view where it can be), the band, and :func:`_ratios`."""
+    flat = out.reshape(-1, *out.shape[-2:])
+    band = band_high(coefficients)
+    return flat, band, _ratios(flat, band, slack)
+
+
 def guarded(
     G: Tensor,
     orthogonalize: Callable[[Tensor], Tensor],
@@ -236,12 +249,8 @@ def guarded(
     coefficients = resolve_coefficients(coefficients)
     out = orthogonalize(G)
     if out.numel() == 0:
-        return out, GuardVerdict(
-            0, _zero(torch.int64, out.device), _zero(torch.float32, out.device)
-        )
-    flat = out.reshape(-1, *out.shape[-2:])
-    band = band_high(coefficients)
-    bad, ratio, _ = _ratios(flat, band, slack)
+        return out, _empty_verdict(out)
+    flat, band, (bad, ratio, _) = _checked(out, coefficients, slack)
     count = bad.sum()
     # The call's one synchronisation: the recompute below is driven from the host.
     if not bool(bad.any()):
@@ -293,12 +302,8 @@ def guarded_on_device(
     coefficients = resolve_coefficients(coefficients)
     out = orthogonalize(G)
     if out.numel() == 0:
-        return out, GuardVerdict(
-            0, _zero(torch.int64, out.device), _zero(torch.float32, out.device)
-        )
-    flat = out.reshape(-1, *out.shape[-2:])
-    band = band_high(coefficients)
-    bad, ratio, bound = _ratios(flat, band, slack)
+        return out, _empty_verdict(out)
+    flat, band, (bad, ratio, bound) = _checked(out, coefficients, slack)
     inputs = G.reshape(-1, *G.shape[-2:])
 
     def recompute() -> None:
