@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -44,8 +45,8 @@ def test_the_readers_take_the_figures_their_commands_write(claims) -> None:
     assert (
         claims._transient("noise\nshardmuon world 2: step transient 28.46 MB (max)\n")[0] == 28.46
     )
-    lm = {"summary": {"targets": {"muon_steps_ratio": 0.4}}}
-    assert claims._lm(lm)[0] == 0.4
+    assert claims._lm({"comparison": {"steps_share": 0.53}})[0] == 0.53
+    assert math.isnan(claims._lm({"comparison": {"steps_share": None}})[0])
 
 
 @pytest.mark.exhaustive  # a 3-process bench step; the readers are tested above
