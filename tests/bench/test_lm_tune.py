@@ -153,3 +153,18 @@ def test_an_interrupted_sweep_keeps_its_finished_runs(tmp_path) -> None:
         adamw, muon, sweep_steps=20, steps=40, final_seeds=3, log=ResumeLog(path), run=run
     )
     assert not set(trained) & set(done) and len(done) + len(trained) == 10
+
+
+def test_a_log_of_another_setup_is_refused(tmp_path) -> None:
+    path = tmp_path / "runs.jsonl"
+    c = Candidate("adamw", 1e-3, 0.0, beta2=0.95, warmup=20)
+    ResumeLog(path, {"batch_size": 16, "seq_len": 256}).add(run_key(c, 0, 10), _row([2.0]))
+    assert path.read_text().splitlines()[0] == '{"setup": {"batch_size": 16, "seq_len": 256}}'
+    again = ResumeLog(path, {"batch_size": 16, "seq_len": 256})
+    assert again.get(run_key(c, 0, 10)) is not None
+    with pytest.raises(ValueError, match="batch_size 16 then, 8 now"):
+        ResumeLog(path, {"batch_size": 8, "seq_len": 256})
+    headless = tmp_path / "old.jsonl"
+    headless.write_text(json.dumps({**_row([2.0]), "key": run_key(c, 0, 10)}) + "\n")
+    with pytest.raises(ValueError, match="records no setup"):
+        ResumeLog(headless, {"batch_size": 16})

@@ -561,6 +561,25 @@ def _tune_configs(base, jobs) -> list:
     return configs
 
 
+def _setup(base) -> dict[str, Any]:
+    """What every run of the equal budget shares besides its candidate, seed and steps: a
+    resume log of another setup is refused."""
+    return {
+        "model": base.model,
+        "num_layers": base.num_layers,
+        "batch_size": base.batch_size,
+        "seq_len": base.seq_len,
+        "warmup_steps": base.warmup_steps,  # Muon's (AdamW's is a candidate's)
+        "eval_every": base.eval_every,
+        "eval_sequences": base.eval_sequences,
+        "data": base.data,
+        "data_bytes": base.data_bytes,
+        "nproc": base.nproc,
+        "embedding_update": base.embedding_update,
+        "optim": base.optim.model_dump(mode="json"),
+    }
+
+
 def _run_equal(args: argparse.Namespace) -> int:
     """``--budget equal``: the tuning sweep, the best of each on seeds, the comparison."""
     from shardmuon.bench.lm_tune import ResumeLog, grids, run_equal_budget
@@ -572,7 +591,7 @@ def _run_equal(args: argparse.Namespace) -> int:
     )  # fmt: skip
     base = _base_config(args)
     base.validate()
-    log = ResumeLog(args.resume)
+    log = ResumeLog(args.resume, _setup(base))
     total = 2 * len(adamw) + 2 * args.final_seeds
     note(
         f"shardmuon bench lm --budget equal: {len(adamw)} AdamW and {len(muon)} Muon "

@@ -105,22 +105,40 @@ def run_key(candidate: Candidate, seed: int, steps: int) -> str:
 
 
 class ResumeLog:
-    """The finished runs, one JSON object a line, appended as each run ends."""
+    """The finished runs, one JSON object a line, appended as each run ends. The first line
+    records the ``setup`` the runs were made with (model, batch, data, ...: what the
+    candidates do not say): a log of another setup is refused, not silently reused."""
 
-    def __init__(self, path: str | Path | None) -> None:
+    def __init__(self, path: str | Path | None, setup: dict[str, Any] | None = None) -> None:
         self.path = None if path is None else Path(path)
+        self.setup = setup
         self.rows: dict[str, dict[str, Any]] = {}
+        found = None
         if self.path is not None and self.path.exists():
-            for number, line in enumerate(self.path.read_text().splitlines(), 1):
+            lines = self.path.read_text().splitlines()
+            for number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
-                    if number == len(self.path.read_text().splitlines()):
+                    if number == len(lines):
                         continue  # a last line cut off by an interruption: run it again
                     raise ValueError(f"{self.path}:{number} is not a JSON line") from None
+                if "setup" in row and "key" not in row:
+                    found = row["setup"]
+                    continue
                 self.rows[row["key"]] = row
+        if setup is not None and found is not None and found != setup:
+            changed = sorted(k for k in {*found, *setup} if found.get(k) != setup.get(k))
+            what = ", ".join(f"{k} {found.get(k)!r} then, {setup.get(k)!r} now" for k in changed)
+            raise ValueError(
+                f"{self.path} holds runs of another setup ({what}); give another --resume "
+                "file, or the same settings"
+            )
+        if setup is not None and found is None and self.rows:
+            raise ValueError(f"{self.path} records no setup: its runs cannot be matched")
+        self._needs_header = setup is not None and found is None
 
     def get(self, key: str) -> dict[str, Any] | None:
         return self.rows.get(key)
@@ -133,6 +151,9 @@ class ResumeLog:
         self.rows[key] = row
         if self.path is not None:
             with self.path.open("a") as log:
+                if self._needs_header:
+                    log.write(json.dumps({"setup": self.setup}) + "\n")
+                    self._needs_header = False
                 log.write(json.dumps(row) + "\n")
 
 
