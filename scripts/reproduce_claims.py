@@ -42,6 +42,8 @@ class Claim:
     expected: float
     shown: str  # the README's figure as it says it
     tolerance: float  # relative: |today / expected - 1| <= tolerance holds
+    # Instead of the tolerance: whether today's figure holds the claim (a range, one side).
+    holds: Callable[[float], bool] | None = None
     long: bool = False
     note: str = ""
 
@@ -50,7 +52,7 @@ def _bench_ab(data: dict) -> tuple[float, str]:
     rows = {(r["preset"], r["newton_schulz_impl"]): r["vs_fp64"] for r in data["results"]}
     ours, dions = rows[("dion", "folded")], rows[("dion", "unfolded")]
     worst_ours, worst_dion = max(ours), max(dions)
-    return worst_ours / worst_dion, f"{100 * worst_ours:.2f}% vs {100 * worst_dion:.2f}%"
+    return worst_ours, f"{100 * worst_ours:.2f}% vs {100 * worst_dion:.2f}%"
 
 
 def _by_impl(data: dict) -> dict[str, dict]:
@@ -70,7 +72,10 @@ def _split_replicas(data: dict) -> tuple[float, str]:
 
 
 def _lm(data: dict) -> tuple[float, str]:
-    share = data["comparison"]["steps_share"]
+    comparison = data["comparison"]
+    if comparison["score"] is None:
+        return float("nan"), f"a seed of {' and '.join(comparison['diverged'])} diverged"
+    share = comparison["steps_share"]
     if share is None:
         return float("nan"), "Muon never met AdamW's final loss with the margin"
     return share, f"{share:.2f}x AdamW's steps"
@@ -90,8 +95,8 @@ CLAIMS = [
         name="fp64",
         says="on the tiny MoE the update is 0.62% from fp64 against dion's recipe's 1.61%",
         command=[*SHARDMUON, "bench", "ab", "--model", "tiny-moe", "--steps", "3"],
-        measure=_bench_ab,
-        expected=0.62 / 1.61,
+        measure=_bench_ab,  # shardmuon's distance itself; dion's is printed beside it
+        expected=0.0062,
         shown="0.62% vs 1.61%",
         tolerance=0.10,
     ),
@@ -139,6 +144,7 @@ CLAIMS = [
         expected=1.25,
         shown="1.16-1.33x",
         tolerance=0.10,
+        holds=lambda ratio: ratio >= 1.16 * 0.95,  # "faster": at least the range's low end
     ),
     Claim(
         name="transient",
@@ -179,7 +185,10 @@ def run_claim(claim: Claim, folder: Path) -> dict:
         tail = (done.stdout + done.stderr)[-600:]
         return {"verdict": "failed", "today": f"exit {done.returncode}: {tail}", "seconds": seconds}
     figure, shown = claim.measure(json.loads(out.read_text()) if takes_json else done.stdout)
-    holds = abs(figure / claim.expected - 1) <= claim.tolerance
+    if claim.holds is not None:
+        holds = claim.holds(figure)
+    else:
+        holds = abs(figure / claim.expected - 1) <= claim.tolerance
     return {
         "figure": figure,
         "today": shown,

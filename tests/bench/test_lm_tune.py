@@ -53,7 +53,15 @@ def test_the_rule_on_hand_made_curves() -> None:
     c = compare(adamw, close)
     assert not c["ends_lower"] and c["steps_share"] is None
     c = compare(adamw, [_row([2.5, 2.0, math.nan], diverged=True), *muon[1:]])
-    assert c["score"] is None and c["muon"]["mean"] is None
+    assert c["score"] is None and c["muon"]["mean"] is None and c["diverged"] == ["muon"]
+    # AdamW's mean is an estimate: the share where it is one standard error either way.
+    spread = [_row([3.0, 2.5, 2.1]), _row([3.0, 2.5, 2.0]), _row([3.0, 2.5, 1.9])]
+    curve = [_row([2.3, 2.1, 2.03, 1.99, 1.93])] * 3  # every 10 steps, 50 in all
+    c = compare(spread, curve)
+    error = 0.1 / math.sqrt(3)
+    assert c["adamw"]["standard_error"] == pytest.approx(error)
+    assert c["steps_share"] == pytest.approx(40 / 50)  # 1.99 <= 2.0 - 0.004/sqrt(3)
+    assert c["steps_share_range"] == [pytest.approx(30 / 50), pytest.approx(50 / 50)]
 
 
 def test_the_sweep_chooses_from_its_runs_and_reruns_the_best_on_seeds(tmp_path) -> None:
@@ -100,6 +108,11 @@ def test_a_cut_off_last_line_is_run_again_and_a_bad_line_elsewhere_refused(tmp_p
     path.write_text(good + "\n" + good[: len(good) // 2])
     log = ResumeLog(path)
     assert log.get(run_key(c, 0, 10)) is not None and len(log.rows) == 1
+    # The next run lands on a line of its own, and both survive two more loads.
+    other = Candidate("adamw", 2e-3, 0.0, beta2=0.95, warmup=20)
+    log.add(run_key(other, 0, 10), _row([1.9]))
+    for _ in range(2):
+        assert len(ResumeLog(path).rows) == 2
     path.write_text(good[:10] + "\n" + good + "\n")
     with pytest.raises(ValueError, match=r"runs\.jsonl:1 is not a JSON line"):
         ResumeLog(path)

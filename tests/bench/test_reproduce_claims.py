@@ -32,8 +32,8 @@ def test_the_readers_take_the_figures_their_commands_write(claims) -> None:
             {"preset": "dion", "newton_schulz_impl": "unfolded", "vs_fp64": [0.0161, 0.0160]},
         ]
     }
-    ratio, shown = claims._bench_ab(ab)
-    assert ratio == pytest.approx(0.0062 / 0.0161) and shown == "0.62% vs 1.61%"
+    ours, shown = claims._bench_ab(ab)
+    assert ours == 0.0062 and shown == "0.62% vs 1.61%"
     step = {
         "results": [
             {"impl": "shardmuon", "step_s": 0.150, "padded_over_minimum": 1.43},
@@ -45,8 +45,13 @@ def test_the_readers_take_the_figures_their_commands_write(claims) -> None:
     assert (
         claims._transient("noise\nshardmuon world 2: step transient 28.46 MB (max)\n")[0] == 28.46
     )
-    assert claims._lm({"comparison": {"steps_share": 0.53}})[0] == 0.53
-    assert math.isnan(claims._lm({"comparison": {"steps_share": None}})[0])
+    assert claims._lm({"comparison": {"score": 0.4, "steps_share": 0.53}})[0] == 0.53
+    never = claims._lm({"comparison": {"score": 0.001, "steps_share": None}})
+    assert math.isnan(never[0]) and "never" in never[1]
+    diverged = claims._lm({"comparison": {"score": None, "diverged": ["adamw"]}})
+    assert math.isnan(diverged[0]) and "adamw diverged" in diverged[1]
+    hsdp = next(c for c in claims.CLAIMS if c.name == "hsdp")
+    assert hsdp.holds(1.5) and hsdp.holds(1.16) and not hsdp.holds(1.05)
 
 
 @pytest.mark.exhaustive  # a 3-process bench step; the readers are tested above

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 from typing import Any
 
 from shardmuon.bench.lm_report import (
@@ -573,6 +574,8 @@ def _setup(base) -> dict[str, Any]:
         "eval_every": base.eval_every,
         "eval_sequences": base.eval_sequences,
         "data": base.data,
+        # The default corpus is this Python's standard library.
+        "python": None if base.data else ".".join(map(str, sys.version_info[:2])),
         "data_bytes": base.data_bytes,
         "nproc": base.nproc,
         "embedding_update": base.embedding_update,
@@ -659,11 +662,16 @@ def _print_equal(result: dict[str, Any]) -> None:
         [[name, result["best"][name]["label"], cell(c[name])] for name in ("adamw", "muon")],
     )
     if c["score"] is None:
-        print("no comparison: a side diverged")
+        print(f"no comparison: a seed of {' and '.join(c['diverged'])}'s best diverged")
         return
-    share = "never" if c["steps_share"] is None else f"{c['steps_share']:.2f}x its steps"
+
+    def share(value: float | None) -> str:
+        return "never" if value is None else f"{value:.2f}x"
+
+    low, high = c["steps_share_range"]
     print(
         f"rule: (AdamW's mean final - Muon's mean) x sqrt(n) >= {c['margin']}: "
         f"{c['score']:.4f} -> Muon ends lower: {'yes' if c['ends_lower'] else 'no'}; "
-        f"reaches AdamW's final loss with that margin at: {share}"
+        f"reaches AdamW's final loss with that margin at {share(c['steps_share'])} its steps "
+        f"({share(low)}-{share(high)} with AdamW's mean one standard error either way)"
     )

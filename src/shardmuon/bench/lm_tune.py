@@ -14,7 +14,8 @@ the end of each one's schedule. Here:
    over its seeds, Muon *ends lower at equal steps* when ``(L - m)·√n ≥ 0.004``, ``m`` its
    mean final loss over its ``n`` seeds; it *reaches AdamW's final loss in k× the steps* at
    the first evaluation step ``k·T`` where its mean loss over the seeds ``m_k`` satisfies
-   ``(L - m_k)·√n ≥ 0.004`` (``None``: it never does).
+   ``(L - m_k)·√n ≥ 0.004`` (``None``: it never does). ``L`` is an estimate too: ``k`` is
+   also given where ``L`` lies one standard error of AdamW's mean higher and lower.
 
 Every finished run is appended to ``--resume PATH`` (one JSON object a line) as soon as it
 ends; a command started again with the same ``--resume`` skips the runs found there (same
@@ -115,15 +116,19 @@ class ResumeLog:
         self.rows: dict[str, dict[str, Any]] = {}
         found = None
         if self.path is not None and self.path.exists():
-            lines = self.path.read_text().splitlines()
+            text = self.path.read_text()
+            if text and not text.endswith("\n"):
+                # A last line cut off by an interruption: dropped from the file (its run
+                # runs again), so that the next run is appended on a line of its own.
+                text = text[: text.rfind("\n") + 1]
+                self.path.write_text(text)
+            lines = text.splitlines()
             for number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
-                    if number == len(lines):
-                        continue  # a last line cut off by an interruption: run it again
                     raise ValueError(f"{self.path}:{number} is not a JSON line") from None
                 if "setup" in row and "key" not in row:
                     found = row["setup"]
@@ -191,16 +196,26 @@ def compare(
         }
     target, mean_m = out["adamw"]["mean"], out["muon"]["mean"]
     n = len(finals_m)
-    if target is None or mean_m is None:
-        out.update(ends_lower=None, steps_share=None, score=None)
+    diverged = [name for name in ("adamw", "muon") if out[name]["mean"] is None]
+    out["diverged"] = diverged
+    if diverged:
+        out.update(ends_lower=None, steps_share=None, steps_share_range=None, score=None)
         return out
     out["score"] = (target - mean_m) * math.sqrt(n)
     out["ends_lower"] = out["score"] >= margin
     steps = max(r.get("steps", r["eval"][-1]["step"]) for r in muon_rows)
-    reached = next(
-        (s for s, m in _mean_curve(muon_rows) if (target - m) * math.sqrt(n) >= margin), None
-    )
-    out["steps_share"] = None if reached is None else reached / steps
+    curve = _mean_curve(muon_rows)
+
+    def share(goal: float) -> float | None:
+        reached = next((s for s, m in curve if (goal - m) * math.sqrt(n) >= margin), None)
+        return None if reached is None else reached / steps
+
+    out["steps_share"] = share(target)
+    # AdamW's mean is itself an estimate: the share where it lies one standard error higher
+    # (reached sooner) and lower (later).
+    error = (out["adamw"]["std"] or 0.0) / math.sqrt(len(finals_a))
+    out["adamw"]["standard_error"] = error
+    out["steps_share_range"] = [share(target + error), share(target - error)]
     return out
 
 
