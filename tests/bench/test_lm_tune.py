@@ -132,7 +132,7 @@ def test_the_command_end_to_end_and_resumed(tmp_path) -> None:
     ]  # fmt: skip
     first = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
-    assert len(log.read_text().splitlines()) == 8
+    assert len(log.read_text().splitlines()) == 1 + 8  # the setup, then the 8 runs
     result = json.loads(out.read_text())
     assert result["budget"] == {"adamw": 1, "muon": 1}
     assert len(result["final_runs"]["muon"]) == 3 and "rule:" in first.stdout
