@@ -596,16 +596,15 @@ def _run_equal(args: argparse.Namespace) -> int:
     base.validate()
     log = ResumeLog(args.resume, _setup(base))
     total = 2 * len(adamw) + 2 * args.final_seeds
+    kept = (
+        f"; {len(log.rows)} found in {args.resume})"
+        if args.resume
+        else "); --resume PATH keeps each finished run"
+    )
     note(
         f"shardmuon bench lm --budget equal: {len(adamw)} AdamW and {len(muon)} Muon "
         f"configurations of {args.sweep_steps} steps, then each best on {args.final_seeds} "
-        f"seeds of {args.steps} steps ({total} runs at {args.nproc} rank(s); "
-        f"{len(log.rows)} found in {args.resume})"
-        if args.resume
-        else f"shardmuon bench lm --budget equal: {len(adamw)} AdamW and {len(muon)} Muon "
-        f"configurations of {args.sweep_steps} steps, then each best on {args.final_seeds} "
-        f"seeds of {args.steps} steps ({total} runs at {args.nproc} rank(s)); --resume PATH "
-        "keeps each finished run"
+        f"seeds of {args.steps} steps ({total} runs at {args.nproc} rank(s){kept}"
     )
     result = run_equal_budget(
         adamw,

@@ -218,6 +218,22 @@ def _ratios(out: Tensor, band: float, slack: float) -> tuple[Tensor, Tensor, Ten
     )
 
 
+def _safe_result(
+    G: Tensor, coefficients: Coefficients, eps: float, preconditioner: str | None
+) -> Tensor:
+    """One matrix ``G[m, n]`` through the standard iteration in fp32: the recompute of a
+    diverged result (fp32 ``[m, n]``)."""
+    safe = orthogonalize_with(
+        iterate_folded,
+        G[None].float(),
+        coefficients,
+        eps,
+        dtype=torch.float32,
+        preconditioner=preconditioner,
+    )
+    return safe.X[0]
+
+
 def _empty_verdict(out: Tensor) -> GuardVerdict:
     return GuardVerdict(0, _zero(torch.int64, out.device), _zero(torch.float32, out.device))
 
@@ -261,15 +277,7 @@ def guarded(
     verdict = GuardVerdict(flat.size(0), count, ratio.max())
     inputs = G.reshape(-1, *G.shape[-2:])
     for i in failed.tolist():
-        safe = orthogonalize_with(
-            iterate_folded,
-            inputs[i : i + 1].float(),
-            coefficients,
-            eps,
-            dtype=torch.float32,
-            preconditioner=preconditioner,
-        )
-        flat[i] = safe.X[0].to(flat.dtype)
+        flat[i] = _safe_result(inputs[i], coefficients, eps, preconditioner).to(flat.dtype)
     return flat.reshape(out.shape), verdict  # a view of ``out`` unless reshape had to copy
 
 
@@ -308,15 +316,8 @@ def guarded_on_device(
 
     def recompute() -> None:
         for i in range(flat.size(0)):
-            safe = orthogonalize_with(
-                iterate_folded,
-                inputs[i : i + 1].float(),
-                coefficients,
-                eps,
-                dtype=torch.float32,
-                preconditioner=preconditioner,
-            )
-            flat[i] = torch.where(bad[i], safe.X[0].to(flat.dtype), flat[i])
+            safe = _safe_result(inputs[i], coefficients, eps, preconditioner)
+            flat[i] = torch.where(bad[i], safe.to(flat.dtype), flat[i])
         ratio.copy_(torch.where(bad, bound / band, ratio))
 
     branch(bad.any(), recompute)

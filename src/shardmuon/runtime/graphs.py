@@ -202,9 +202,13 @@ class GraphCache:
     # streams never use the static buffers and the shared pool at once.
     last_use: Any = None
 
-    # The static inputs and outputs the captures keep, and the most they may.
-    static_bytes: int = 0
+    # The most the captures' static inputs and outputs may hold.
     max_static_bytes: int | None = None
+
+    @property
+    def static_bytes(self) -> int:
+        """The bytes the captures' static inputs and outputs hold."""
+        return sum(g.static_in.nbytes + g.static_out.nbytes for g in self.graphs.values())
 
     def wrap(
         self,
@@ -222,7 +226,6 @@ class GraphCache:
             self.graphs.clear()
             self.warmed.clear()
             self.refused.clear()
-            self.static_bytes = 0
             self.capture, self.device, self.last_use = CudaCapture(device), device, None
         return GraphedOrthogonalizer(orthogonalizer, self, guarded_only)
 
@@ -352,5 +355,4 @@ class GraphedOrthogonalizer:
             return None
         graph = _Graph(static_in, static_out, masks, verdicts, replay)
         self.cache.graphs[key] = graph
-        self.cache.static_bytes += static_in.nbytes + static_out.nbytes
         return graph
