@@ -34,13 +34,8 @@ from torch import Tensor, nn
 
 from shardmuon.ops.newton_schulz import resolve_coefficients
 from shardmuon.routing import build_param_groups
-from shardmuon.validation import (
-    EPSILON_MIN,
-    WORKSPACE_ACCEPTED,
-    check_adjust_lr,
-    check_int,
-    check_number,
-)
+from shardmuon.settings import WORKSPACE_ACCEPTED, check_engine_settings, check_int
+from shardmuon.validation import EPSILON_MIN, check_adjust_lr, check_number
 
 if TYPE_CHECKING:
     from shardmuon.optimizer import Muon
@@ -270,7 +265,6 @@ class MuonConfig(BaseModel):
         # The constructor's own checks, on the config as a whole (restarts depend on the
         # schedule's length and the engine; pydantic would coerce True to 1).
         from shardmuon.ops.engines import resolve_restarts
-        from shardmuon.validation import check_engine_settings
 
         spec = self.newton_schulz_coefficients
         if spec is None and self.newton_schulz_preconditioner == "aol":

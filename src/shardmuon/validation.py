@@ -8,7 +8,7 @@ the same message instead of hanging in an all-to-all.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,39 +16,28 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from shardmuon.ops.engines import (
-    check_restart_runs,
-    engines_of,
-    resolve_ns_dtype,
-    resolve_restarts,
-)
-from shardmuon.ops.newton_schulz import check_preconditioner
 from shardmuon.ops.sinkhorn import SINKHORN_DEFAULTS, check_iters
 from shardmuon.ops.update import ADJUST_LR_CHOICES
+from shardmuon.settings import SETTING_NAMES
 
 __all__ = [
-    "ADAMW_CHUNKS_CHOICES",
-    "AGREED_SETTINGS",
     "ALGORITHMS",
-    "CHECK_GRADS_CHOICES",
     "EPSILON_MIN",
     "MOMENTUM_ALIAS",
-    "OPTIMIZER_SETTINGS",
-    "WORKSPACE_ACCEPTED",
     "apply_momentum_alias",
     "check_dion_arguments",
     "check_epsilon",
     "check_grads",
     "check_group",
     "check_group_settings",
-    "check_int",
     "check_live_groups",
     "check_mesh",
     "check_number",
-    "check_optimizer_settings",
     "check_sinkhorn_settings",
     "group_defaults",
+    "refuse_state_offloader",
     "resolve_max_in_flight",
+    "split_by_shape",
     "with_sinkhorn_defaults",
 ]
 
@@ -163,7 +152,7 @@ def check_group_settings(index: int, group: dict) -> None:
     for key in ("nesterov", "flatten"):
         if not isinstance(group[key], bool):
             raise TypeError(f"{where}: {key} must be True or False, got {group[key]!r}")
-    misplaced = sorted(set(group) & set(OPTIMIZER_SETTINGS))
+    misplaced = sorted(set(group) & ({*SETTING_NAMES, "coefficients"} - {"warmup"}))
     if misplaced:
         raise ValueError(
             f"{where} sets {', '.join(map(repr, misplaced))}: optimizer-wide settings, which a "
@@ -282,116 +271,6 @@ def check_grads(param_groups: list[dict]) -> None:
                 )
 
 
-# The optimizer-wide settings (``Muon`` attributes, not group keys): what the constructor
-# takes and checks, what a copy keeps (``__getstate__``), what planning and the agreement
-# digest read. Public attributes, so they are checked again before each step.
-OPTIMIZER_SETTINGS = (
-    "update_rms",
-    "coefficients",
-    "newton_schulz_impl",
-    "newton_schulz_dtype",
-    "newton_schulz_restarts",
-    "newton_schulz_guard",
-    "newton_schulz_preconditioner",
-    "max_in_flight",
-    "workspace_bytes",
-    "offload",
-    "offload_prefetch",
-    "rotate_owners",
-    "split_replicas",
-    "check_grads",
-    "overlap",
-    "adamw_chunks",
-    "cuda_graphs",
-)
-# Those the ranks of a group must share: offload only moves where a rank keeps its state,
-# and a replayed graph computes what the eager call does.
-AGREED_SETTINGS = tuple(
-    name for name in OPTIMIZER_SETTINGS if not name.startswith("offload") and name != "cuda_graphs"
-)
-CHECK_GRADS_CHOICES = ("first", "always", "never")
-# How AdamW groups are cut into chunks: one per group, or one per parameter (for a trainer
-# that moves each chunk's state to the device and back).
-ADAMW_CHUNKS_CHOICES = ("group", "parameter")
-
-
-WORKSPACE_ACCEPTED = "an int > 0 (bytes) or 'auto'"
-
-
-def check_int(name: str, value: Any, low: int, accepted: str) -> None:
-    """``value`` must be an int (not a bool) ``>= low``; ``accepted`` says so in the message."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be {accepted}, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be {accepted}, got {value!r}")
-
-
-def _check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; accepted: {', '.join(map(repr, choices))}")
-
-
-def check_optimizer_settings(
-    settings: Mapping[str, Any],
-    ns_impls: Sequence[str],
-    offload_choices: Sequence[Any],
-    overlap_choices: Sequence[Any] = (None,),
-) -> None:
-    """The values of :data:`OPTIMIZER_SETTINGS` (``coefficients`` is checked where it is
-    resolved); raises naming the setting, the value and what is accepted."""
-    rms = settings["update_rms"]
-    if isinstance(rms, bool) or not isinstance(rms, (int, float)):
-        raise TypeError(f"update_rms must be a number, got {rms!r}")
-    if not (rms > 0 and math.isfinite(rms)):
-        raise ValueError(f"update_rms must be a finite number > 0, got {rms!r}")
-    check_int("max_in_flight", settings["max_in_flight"], 1, "an int >= 1")
-    if settings["workspace_bytes"] != "auto":
-        check_int("workspace_bytes", settings["workspace_bytes"], 1, WORKSPACE_ACCEPTED)
-    _check_choice("offload", settings["offload"], offload_choices)
-    prefetch = settings["offload_prefetch"]
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int):  # a ValueError, as before
-        raise ValueError(f"offload_prefetch must be an int >= 1, got {prefetch!r}")
-    check_int("offload_prefetch", prefetch, 1, "an int >= 1")
-    _check_choice("newton_schulz_impl", settings["newton_schulz_impl"], ns_impls)
-    check_engine_settings(settings, len(settings["coefficients"]))
-    _check_choice("check_grads", settings["check_grads"], CHECK_GRADS_CHOICES)
-    _check_choice("overlap", settings.get("overlap"), overlap_choices)
-    _check_choice("adamw_chunks", settings.get("adamw_chunks", "group"), ADAMW_CHUNKS_CHOICES)
-    graphs = settings.get("cuda_graphs")
-    if not (graphs is None or isinstance(graphs, bool)):
-        raise TypeError(f"cuda_graphs must be None, True or False, got {graphs!r}")
-    for name in ("rotate_owners", "split_replicas"):
-        if not isinstance(settings[name], bool):
-            raise TypeError(f"{name} must be True or False, got {settings[name]!r}")
-
-
-def check_engine_settings(settings: Mapping[str, Any], steps: int) -> None:
-    """The Newton–Schulz settings together (``newton_schulz_impl`` already one of the
-    engines): the dtype the engine runs in, restarts (checked, and only where the engine
-    restarts, at most every 3 steps of a ``steps``-step schedule), the preconditioner and
-    the guard. One path for ``Muon`` and ``MuonConfig``."""
-    impl = settings["newton_schulz_impl"]
-    dtype = resolve_ns_dtype(settings["newton_schulz_dtype"])
-    for engine in engines_of(impl):
-        if dtype not in engine.dtypes:
-            raise ValueError(
-                f"newton_schulz_impl={engine.name!r} does not run in {dtype}; it runs in "
-                f"{', '.join(map(str, engine.dtypes))}"
-            )
-    restarts = resolve_restarts(settings["newton_schulz_restarts"], steps)
-    if restarts is not None and not any(e.takes_restarts for e in engines_of(impl)):
-        raise ValueError(
-            f"newton_schulz_restarts={restarts!r} applies to newton_schulz_impl='gram' "
-            f"(or 'auto'), not {impl!r}, which never restarts; drop it or choose 'gram'"
-        )
-    if any(e.takes_restarts for e in engines_of(impl)):
-        check_restart_runs(restarts, steps)
-    check_preconditioner(settings["newton_schulz_preconditioner"])
-    guard = settings["newton_schulz_guard"]
-    if not (guard is None or isinstance(guard, bool)):
-        raise TypeError(f"newton_schulz_guard must be None, True or False, got {guard!r}")
-
-
 def check_dion_arguments(
     distributed_mesh: Any,
     world_mesh: Any,
@@ -414,6 +293,21 @@ def check_dion_arguments(
             "newton_schulz_func (dion's custom orthogonalization) is not supported; choose "
             "the iteration with newton_schulz_coefficients (a preset name or (a, b, c) "
             "triples)"
+        )
+
+
+def refuse_state_offloader(state_offloader: Any) -> None:
+    """``Muon.step(state_offloader=...)``: prime-rl's protocol for dion is refused, saying
+    what to use instead."""
+    if state_offloader is not None:
+        raise TypeError(
+            f"Muon.step(state_offloader={type(state_offloader).__name__}(...)) is prime-rl's "
+            "protocol for dion and is not taken: use Muon(offload='state') (the state "
+            "streamed chunk by chunk, at most offload_prefetch chunks on the device), or "
+            "step chunk by chunk yourself: for chunk in opt.chunks(): move "
+            "opt.chunk_info(chunk).params' grads and state to the device, "
+            "opt.step_chunk(chunk), move them back (Muon(adamw_chunks='parameter'): one "
+            "AdamW parameter per chunk)"
         )
 
 

@@ -15,6 +15,7 @@ LAYERS = {
     "ops": 0,
     "planning": 1,
     "validation": 1,
+    "settings": 1,
     "routing": 1,
     "runtime": 2,
     "state_dict_checks": 2,

@@ -28,7 +28,7 @@ import pytest
 import torch
 from checks import assert_bitwise, set_random_grads
 
-import shardmuon.optimizer as optimizer_module
+import shardmuon.runtime.stepper as stepper_module
 from shardmuon import Muon
 from shardmuon.bench.matrices import relative_error
 from shardmuon.ops.engines import ENGINES, NS_DTYPES, check_restart_runs, resolve_ns_dtype
@@ -36,7 +36,6 @@ from shardmuon.ops.newton_schulz import NS_PRESETS, newton_schulz, newton_schulz
 from shardmuon.ops.newton_schulz_gram import newton_schulz_gram
 from shardmuon.ops.newton_schulz_guard import GUARD_SLACK, band_high, guarded
 from shardmuon.runtime.agreement import _hash63, describe, first_difference
-from shardmuon.validation import AGREED_SETTINGS
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DTYPE_NAME = {dtype: name for name, dtype in NS_DTYPES.items()}
@@ -273,6 +272,14 @@ def test_batch_invariant_engines_give_each_matrix_its_own_bits(name, dtype):
 # --------------------------------------------------------- 5. agreement digest
 
 
+AGREED_NAMES = {
+    "update_rms", "coefficients", "newton_schulz_impl", "newton_schulz_dtype",
+    "newton_schulz_restarts", "newton_schulz_guard", "newton_schulz_preconditioner",
+    "max_in_flight", "workspace_bytes", "rotate_owners", "split_replicas", "check_grads",
+    "overlap", "adamw_chunks", "warmup",
+}  # fmt: skip
+
+
 def _description(name: str, dtype: torch.dtype, monkeypatch) -> list:
     """What the optimizer puts into the agreement digest, captured where it hands it over."""
     seen = {}
@@ -280,19 +287,21 @@ def _description(name: str, dtype: torch.dtype, monkeypatch) -> list:
     def capture(plan, param_groups, settings, device, ops, compare_grads=True):
         seen.update(plan=plan, groups=param_groups, settings=settings, ops=ops)
 
-    monkeypatch.setattr(optimizer_module, "check_plan_agreement", capture)
+    monkeypatch.setattr(stepper_module, "check_plan_agreement", capture)
     p = torch.nn.Parameter(_batch((16, 48), seed=6))
     opt = Muon([p], newton_schulz_impl=name, newton_schulz_dtype=DTYPE_NAME[dtype])
-    opt._check_agreement()
+    opt.runner.check_agreement()
     settings = seen["settings"]
-    assert set(settings) == {*AGREED_SETTINGS, "warmup"}  # warm-up: the same groups warmed
+    # Every optimizer-wide setting but where a rank keeps its state (offload) and whether
+    # its calls are replayed from graphs (the same bits); warm-up: the same groups warmed.
+    assert set(settings) == AGREED_NAMES
     assert settings["warmup"] is opt.warmup_setting
     canonical = {
         "coefficients": lambda v: tuple(map(tuple, v)),
         # One spelling per dtype: "float32" and torch.float32 agree.
         "newton_schulz_dtype": lambda v: str(resolve_ns_dtype(v)),
     }
-    for key in AGREED_SETTINGS:
+    for key in AGREED_NAMES - {"warmup"}:
         value = getattr(opt, key)
         assert settings[key] == canonical.get(key, lambda v: v)(value)
     plan = seen["plan"]

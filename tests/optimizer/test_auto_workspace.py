@@ -17,6 +17,7 @@ from shardmuon.planning.workspace import (
     WORKSPACE_GRANULE,
     device_workspace_bytes,
 )
+from shardmuon.runtime.stepper import StepRunner
 
 GiB = 2**30
 
@@ -66,15 +67,15 @@ def test_auto_on_cuda_reads_the_device_memory(monkeypatch) -> None:
         return free[0], 141 * 10**9
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    monkeypatch.setattr(Muon, "_device", lambda self: torch.device("cuda", 3))
+    monkeypatch.setattr(StepRunner, "device", lambda self: torch.device("cuda", 3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert opt._auto_workspace_bytes() == 8 * GiB
+        assert opt.runner.auto_workspace_bytes() == 8 * GiB
     assert asked == [torch.device("cuda", 3)]
     for little in (15 * GiB, 6 * GiB + 1, 6 * GiB - 1):  # around any step: the same
         free[0] = little
         with pytest.warns(UserWarning, match="but .* GiB is free on it now"):
-            assert opt._auto_workspace_bytes() == 8 * GiB
+            assert opt.runner.auto_workspace_bytes() == 8 * GiB
 
 
 def test_auto_set_after_construction_is_resolved_wherever_the_budget_is_read() -> None:

@@ -147,8 +147,8 @@ def test_copied_optimizer_steps_like_the_original(duplicate: Callable) -> None:
     for name in (*COPY_SETTINGS, "coefficients"):
         if name != "newton_schulz_coefficients":
             assert getattr(copied, name) == getattr(opt, name), name
-    assert list(copied._raw_partitions.values()) == [PARTITIONS]
-    assert next(iter(copied._raw_partitions)) is copy_params[1]
+    assert list(copied.matrix_partitions.values()) == [PARTITIONS]
+    assert next(iter(copied.matrix_partitions)) is copy_params[1]
     assert all(p in copied.state for p in copy_params)
     assert copied.param_groups[0]["params"][0] is copy_params[0]
     assert_same_optimizers(opt, params, copied, copy_params)

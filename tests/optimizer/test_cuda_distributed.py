@@ -69,6 +69,7 @@ import shardmuon.runtime.overlap as overlap_module
 from shardmuon import Muon
 from shardmuon.harness.processes import exit_worker
 from shardmuon.planning.placements import local_tensor
+from shardmuon.runtime.warmup import wants_warmup
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NCCL = dist.is_available() and dist.is_nccl_available()
@@ -306,7 +307,8 @@ def warmup_on_the_calling_thread(
         phase[0] = "construction"
         b = _optimizer(overlapped, overlap="forward", warmup=warmup)
         b.overlap_with(overlapped)
-        assert b._wants_warmup(), "the default warmup is off on this NCCL world"
+        world = dist.group.WORLD
+        assert wants_warmup(b.warmup_setting, world, device), "the warm-up is off on this world"
         step, steps = b.step, [0]
 
         def phased_step(*args, **kwargs):

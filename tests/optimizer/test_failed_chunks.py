@@ -155,13 +155,15 @@ def test_failed_chunk_resumes_without_stepping_twice(
     arm()
     with pytest.raises(_Injected):
         opt.step_chunk(chunks[target])
-    assert opt._rounds.is_open and target not in opt._rounds.stepped, "a failed chunk is not done"
+    assert opt.runner.rounds.is_open and target not in opt.runner.rounds.stepped, (
+        "a failed chunk is not done"
+    )
     with pytest.raises(RuntimeError, match=r"step\(\) called while a step_chunk\(\) round is open"):
         opt.step()
     opt.step_chunk(chunks[target])  # resumes
     for chunk in order_after:
         opt.step_chunk(chunk)
-    assert not opt._rounds.is_open
+    assert not opt.runner.rounds.is_open
 
     set_grads(ref_params, grads_for_shapes(SIX_SHAPES, 1))
     ref.step()

@@ -250,9 +250,9 @@ def test_budget_is_live_and_replans() -> None:
     before = len(opt.chunks())
     opt.workspace_bytes = 160 * 1024
     assert len(opt.chunks()) > before
-    opt.workspace_bytes = 0
     with pytest.raises(ValueError, match="workspace_bytes"):
-        opt.chunks()
+        opt.workspace_bytes = 0  # refused at the assignment: the budget stays
+    assert opt.workspace_bytes == 160 * 1024
 
 
 # ------------------------------------------------------------------ two ranks, measured

@@ -62,7 +62,7 @@ def test_every_engine_keeps_the_step_within_the_budget(engine, dtype, budget) ->
     scratch = gemm_scratch_bytes(stats.ns_calls, _gemm_dtypes(engine, getattr(torch, dtype)))
     # The estimate bounds what was measured; the schedule keeps it under the budget unless
     # one batch alone needs more (always admitted: at most one batch in flight then).
-    single = max(sum(vars(batch_bytes(b, opt._plan.ns_cost)).values()) for b in opt.chunks()
+    single = max(sum(vars(batch_bytes(b, opt.plan.ns_cost)).values()) for b in opt.chunks()
                  if isinstance(b, MuonBatch))  # fmt: skip
     assert memory.transient_bytes <= stats.workspace_peak_bytes + scratch, (
         memory.transient_bytes,
@@ -99,7 +99,7 @@ def test_the_engine_cost_is_what_the_plan_was_cut_with() -> None:
     folded = Muon(params, workspace_bytes=budget)
     gram32 = Muon(params, newton_schulz_impl="gram", newton_schulz_dtype="float32",
                   workspace_bytes=budget)  # fmt: skip
-    assert gram32._plan.ns_cost.impl == "gram"
+    assert gram32.plan.ns_cost.impl == "gram"
     assert len(gram32.chunks()) > len(folded.chunks())
 
 
@@ -123,7 +123,7 @@ def test_auto_keeps_the_step_within_the_budget_whichever_candidate_it_picks(
     stats = opt.last_step_stats
     assert stats.ns_checked > 0  # Gram ran, guarded
     scratch = gemm_scratch_bytes(stats.ns_calls, _gemm_dtypes("gram", torch.bfloat16))
-    cost = opt._plan.ns_cost
+    cost = opt.plan.ns_cost
     single = max(sum(vars(batch_bytes(b, cost)).values()) for b in opt.chunks()
                  if isinstance(b, MuonBatch))  # fmt: skip
     assert memory.transient_bytes <= stats.workspace_peak_bytes + scratch, (

@@ -36,7 +36,7 @@ def _params(shapes):
 def test_the_shape_classes_of_a_plan() -> None:
     params = _params([(16, 96), (16, 96), (3, 8, 40), (96, 16), (24, 24)])
     opt = Muon(params, matrix_partitions={params[2]: (4, 4)})
-    classes = calibration.plan_shape_classes(opt._plan.batches)
+    classes = calibration.plan_shape_classes(opt.plan.batches)
     # Local stacks whole (the tall one joins the wide class), partition blocks per size.
     assert classes == {(16, 96): 2, (4, 40): 6, (24, 24): 1}
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from checks import same_bits
 
-import shardmuon.optimizer as optimizer_module
+import shardmuon.runtime.stepper as stepper_module
 from shardmuon import Muon
 from shardmuon.bench.kernels import count_step
 from shardmuon.ops.newton_schulz import NS_PRESETS
@@ -212,7 +212,7 @@ def test_muon_with_cuda_graphs_steps_bitwise_like_eager(monkeypatch) -> None:
     """The optimizer's path: ``cuda_graphs=True`` wraps the step's Newton–Schulz (here with
     the stand-in capture on a CPU) and four steps give eager's parameters and momenta."""
     capture = StandInCapture()
-    monkeypatch.setattr(optimizer_module, "graphs_available", lambda device: True)
+    monkeypatch.setattr(stepper_module, "graphs_available", lambda device: True)
     monkeypatch.setattr(graphs.GraphCache, "wrap", _wrap_with(capture))
 
     def run(cuda_graphs: bool):
@@ -241,7 +241,7 @@ def test_by_default_only_the_guarded_calls_are_captured(monkeypatch, impl) -> No
     """``cuda_graphs=None`` (the default): the guarded calls (Gram's) replayed from graphs,
     the others eager; the same bits either way."""
     capture = StandInCapture()
-    monkeypatch.setattr(optimizer_module, "graphs_available", lambda device: True)
+    monkeypatch.setattr(stepper_module, "graphs_available", lambda device: True)
     monkeypatch.setattr(graphs.GraphCache, "wrap", _wrap_with(capture))
     results = []
     for cuda_graphs in (None, False):

@@ -212,13 +212,13 @@ def test_a_new_stager_waits_for_the_old_ones_stores(monkeypatch):
         for p, q in zip(params, twins):
             p.grad = torch.randn_like(p)
             q.grad = p.grad.clone()
-        old = opt._state_stager
+        old = opt.runner.stager
         opt.offload_prefetch = 1 + step % 2
         opt.step()
         reference.step()
-        if old is not None and old is not opt._state_stager:
+        if old is not None and old is not opt.runner.stager:
             assert old in waited, "the replaced stager's stores were not waited for"
     assert all(torch.equal(p, q) for p, q in zip(params, twins))
     waited.clear()
     copy.deepcopy(opt)  # a copy reads the host state: it waits for the stores too
-    assert opt._state_stager in waited
+    assert opt.runner.stager in waited

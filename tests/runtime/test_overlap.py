@@ -101,11 +101,11 @@ def test_step_returns_before_the_step_is_done_and_each_layer_waits_for_its_own(m
     release = hold_the_last_chunk(monkeypatch, opt)
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
-    pending = opt._overlap.pending
+    pending = opt.runner.overlap.pending
     assert pending is not None and not pending.finished  # the caller was not held
     # The first layer's chunk is done before the last one's: its wait returns at once.
     first_param = next(model.parameters())
-    opt._overlap.wait_for_params([id(first_param)])
+    opt.runner.overlap.wait_for_params([id(first_param)])
     assert not pending.finished
     release.set()
     opt.synchronize()
@@ -115,11 +115,11 @@ def test_step_returns_before_the_step_is_done_and_each_layer_waits_for_its_own(m
 def test_the_schedule_takes_the_batches_in_parameter_order():
     model = _model(layers=5)
     opt = _optimizer(model, overlap="forward")
-    batches = opt._plan.batches
+    batches = opt.plan.batches
     order = forward_order(batches)
     firsts = [min(s.param_index for s in batches[i].segments) for i in order]
     assert firsts == sorted(firsts)
-    prepares = [i for phase, i in opt._step_schedule() if phase == "prepare"]
+    prepares = [i for phase, i in opt.runner.schedule() if phase == "prepare"]
     assert prepares == order
 
 
@@ -150,7 +150,7 @@ MODEL_READERS = ["model.state_dict", "model.load_state_dict", "layer.state_dict"
 @pytest.mark.parametrize("reader", READERS + MODEL_READERS)
 def test_everything_that_reads_the_step_waits_for_it(monkeypatch, reader):
     model, opt, reference_model, reference = _one_step_each(monkeypatch, lambda: time.sleep(0.01))
-    pending = opt._overlap.pending
+    pending = opt.runner.overlap.pending
     if reader in MODEL_READERS:
         # A trainer's weight broadcast or checkpoint right after step() (prime-rl's loop).
         if reader == "model.load_state_dict":
@@ -248,7 +248,7 @@ def test_a_checkpoint_of_a_failed_step_raises_and_a_restore_waits_without_raisin
     opt.step()
     opt.zero_grad()
     model.load_state_dict(saved_model)  # the restore waits for the worker's last write
-    assert opt._overlap.pending is not None and opt._overlap.pending.finished
+    assert opt.runner.overlap.pending is not None and opt.runner.overlap.pending.finished
     assert all(torch.equal(p, saved_model[n]) for n, p in model.named_parameters())
     opt.load_state_dict(saved_opt)  # discards the failure the load left pending
     model(torch.ones(2, 8))
@@ -258,11 +258,11 @@ def test_a_refused_step_raises_in_the_caller_and_starts_nothing():
     model, reference_model = _model(), _model()
     opt, reference = _optimizer(model, overlap="forward"), _optimizer(reference_model)
     model(torch.ones(2, 8)).sum().backward()
-    opt.workspace_bytes = -1  # public settings are checked before each step
-    with pytest.raises(ValueError, match="workspace_bytes must be an int > 0"):
+    opt.param_groups[0]["lr"] = -1.0  # group settings are checked before each step
+    with pytest.raises(ValueError, match="lr"):
         opt.step()
-    assert opt._overlap.pending is None
-    opt.workspace_bytes = reference.workspace_bytes
+    assert opt.runner.overlap.pending is None
+    opt.param_groups[0]["lr"] = reference.param_groups[0]["lr"]
     reference_model(torch.ones(2, 8)).sum().backward()
     opt.step()
     reference.step()
@@ -294,10 +294,10 @@ def test_ctrl_c_interrupts_a_wait_and_the_step_still_completes(monkeypatch):
     threading.Timer(0.2, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt):
         opt.synchronize()
-    assert opt._overlap.pending is not None  # still waited for by what comes next
+    assert opt.runner.overlap.pending is not None  # still waited for by what comes next
     release.set()
     opt.state_dict()
-    assert opt._overlap.pending is None
+    assert opt.runner.overlap.pending is None
     assert_same_optimizers(
         reference, list(reference_model.parameters()), opt, list(model.parameters())
     )

@@ -23,8 +23,8 @@ from overlap_setup import hold_the_last_chunk
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-import shardmuon.optimizer as optimizer_module
 import shardmuon.runtime.overlap as overlap_module
+import shardmuon.runtime.stepper as stepper_module
 from shardmuon import Muon
 from shardmuon.runtime.overlap import ReadMap
 
@@ -39,7 +39,7 @@ def slow_worker(monkeypatch):
     """The overlapped step's worker sleeps before it starts and after each chunk it marks
     done: whatever the caller does right after ``step()`` happens before the step reads
     anything, and a forward woken by one chunk runs before the next chunk is written."""
-    run_step = optimizer_module.run_step
+    run_step = stepper_module.run_step
     mark = overlap_module.OverlappedStep._mark
 
     def late(ctx, schedule, stager, *done):
@@ -51,7 +51,7 @@ def slow_worker(monkeypatch):
         mark(self, key)
         time.sleep(CHUNK_PAUSE_S)
 
-    monkeypatch.setattr(optimizer_module, "run_step", late)
+    monkeypatch.setattr(stepper_module, "run_step", late)
     monkeypatch.setattr(overlap_module.OverlappedStep, "_mark", mark_then_pause)
 
 
@@ -265,7 +265,7 @@ def test_a_layer_runs_while_later_layers_are_still_being_updated(monkeypatch):
     release = hold_the_last_chunk(monkeypatch, opt)
     opt.step()
     seen = []
-    model[0].register_forward_hook(lambda *_: seen.append(opt._overlap.pending.finished))
+    model[0].register_forward_hook(lambda *_: seen.append(opt.runner.overlap.pending.finished))
     threading.Timer(0.3, release.set).start()
     model(torch.ones(1, 8))
     assert seen == [False]
@@ -297,7 +297,7 @@ def test_a_global_step_post_hook_makes_the_step_wait(slow_worker):
     model, opt, _, _ = _pair()
     seen = []
     handle = register_optimizer_step_post_hook(
-        lambda o, *_: seen.append(o._overlap.pending is None) if o is opt else None
+        lambda o, *_: seen.append(o.runner.overlap.pending is None) if o is opt else None
     )
     try:
         _backward(model, 0)
@@ -316,7 +316,7 @@ def test_last_step_stats_waits_for_the_step(slow_worker):
     model[2].weight.grad[0, 0] = float("nan")
     opt.step()
     stats = opt.last_step_stats
-    assert opt._overlap.pending is None
+    assert opt.runner.overlap.pending is None
     assert stats.nonfinite_matrices == 1
     assert stats.workspace_peak_bytes > 0
 
@@ -349,7 +349,7 @@ def test_the_model_can_be_copied_and_saved_right_after_step(slow_worker, copier)
         o.zero_grad()
         _backward(m, 1)
         o.step()
-    assert opt._overlap.pending is not None
+    assert opt.runner.overlap.pending is not None
     opt.synchronize()
     assert_same_optimizers(
         reference, list(reference_model.parameters()), opt, list(model.parameters())

@@ -13,7 +13,7 @@ def hold_the_last_chunk(monkeypatch, opt: Muon) -> threading.Event:
     its schedule done until the returned event is set (at most 10 s)."""
     release = threading.Event()
     mark = overlap_module.OverlappedStep._mark
-    last = ("batch", max(i for _, i in opt._step_schedule()))
+    last = ("batch", max(i for _, i in opt.runner.schedule()))
 
     def hold_the_last(self, key):
         if key == last:

@@ -16,6 +16,7 @@ from dist_checks import S0, Context, Spec, counting_all_to_all, make_context, pl
 from torch import nn
 
 from shardmuon import Muon
+from shardmuon.runtime.stepper import StepRunner
 
 __all__ = ["CASES", "RISKY", "cases_for", "make_context"]
 
@@ -101,7 +102,7 @@ def _auto_workspace(ctx: Context) -> None:
     """GPUs of different sizes: ``workspace_bytes="auto"`` resolves differently (stood in
     for here); every rank refuses the step, naming the setting and the way out."""
     budget = 2**20 if _last(ctx) else 2**21
-    with mock.patch.object(Muon, "_auto_workspace_bytes", lambda self: budget):
+    with mock.patch.object(StepRunner, "auto_workspace_bytes", lambda self: budget):
         _, opt = _build(ctx, MUON, workspace_bytes="auto")
     assert opt.workspace_bytes == budget
     _every_rank_refuses(ctx, opt, ["workspace_bytes (", "pass the same int on every rank"])

@@ -326,7 +326,7 @@ def overlap_after_destroy_and_reinit(ctx: Context) -> None:
     assert losses_a == losses_b
     assert_same_local_optimizers(a, list(plain.parameters()), b, list(overlapped.parameters()))
     stale = []
-    for ranks, group in b._overlap._step_groups.items():
+    for ranks, group in b.runner.overlap._step_groups.items():
         try:
             dist.get_process_group_ranks(group)
         except (KeyError, ValueError) as err:  # torch no longer knows it

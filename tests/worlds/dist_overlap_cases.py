@@ -278,14 +278,14 @@ def fsdp2_all_gather_streams_wait_too(ctx: Context) -> None:
     opt.overlap_with(model)
     _train(ctx, model, opt, range(1))  # FSDP2's lazy init: its streams exist from here
     waits: list[tuple[set[int], list]] = []
-    original = opt._overlap.wait_for_params
+    original = opt.runner.overlap.wait_for_params
 
     def recorded(ids, streams=()):
         ids = list(ids)
         waits.append((set(ids), list(streams)))
         return original(ids, streams)
 
-    opt._overlap.wait_for_params = recorded
+    opt.runner.overlap.wait_for_params = recorded
     with PauseAfterEachChunk():
         _train(ctx, model, opt, range(1, 3))
     opt.synchronize()
@@ -336,7 +336,7 @@ def warmup_sets_every_group_up_before_the_background_step(ctx: Context) -> None:
         opt.synchronize()
         main = [group for thread, group in calls if thread == "MainThread"]
         assert len(main) == len(set(main)), calls  # each group warmed once
-        step_groups = {id(g) for g in opt._overlap._step_groups.values()}
+        step_groups = {id(g) for g in opt.runner.overlap._step_groups.values()}
         plan_groups = {id(ctx.mesh.get_group(0))}
         assert step_groups and step_groups.isdisjoint(plan_groups)
         assert step_groups | plan_groups <= set(main), (step_groups, plan_groups, calls)

@@ -366,5 +366,5 @@ def measure_preset(config: KernelConfig) -> LaunchReport:
         for _ in range(config.warm_steps):
             opt.step()
     report = count_step(opt.step, config.device_path)
-    report.batches = len(opt._plan.batches)
+    report.batches = len(opt.plan.batches)
     return report

@@ -138,7 +138,7 @@ def replay_newton_schulz(
     all ranks run theirs at the same time, as in the step; a rank with no calls still joins
     the barriers.
     """
-    implementation = opt._newton_schulz_settings().orthogonalizer(opt._auto_choices)
+    implementation = opt.settings.newton_schulz.orthogonalizer(opt.auto_choices)
     eps = float(opt.defaults["epsilon"])
     gen = torch.Generator(device=ctx.device).manual_seed(name_seed("ns", ctx.rank))
     inputs = [
@@ -264,7 +264,7 @@ def _run_impl(impl: str, model, layout, ctx: RankContext, cfg: StepConfig, bar: 
         )
         bar.phase(f"{impl}: the step's floor (GEMM rates, bandwidth)")
         ctx.barrier()  # every rank probes at once, as every rank steps at once
-        floor = measure_floor(stats.ns_calls, opt._plan.ns_cost, optimizer_params(opt), ctx.device)
+        floor = measure_floor(stats.ns_calls, opt.plan.ns_cost, optimizer_params(opt), ctx.device)
         result["floor"] = floor.as_dict()
     del opt
     gc.collect()

@@ -27,9 +27,7 @@ from torch import Tensor
 
 from shardmuon.runtime.telemetry import StepStats
 
-__all__ = ["OFFLOAD_CHOICES", "StateStager", "host_copy", "stager_for"]
-
-OFFLOAD_CHOICES = (None, "state")
+__all__ = ["StateStager", "host_copy", "stager_for"]
 
 
 def host_copy(value: Tensor, device: torch.device) -> Tensor:

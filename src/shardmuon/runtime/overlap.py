@@ -41,7 +41,6 @@ from shardmuon.planning.plan import SinkhornChunk
 from shardmuon.runtime.warmup import warm_up, warmup_sizes
 
 __all__ = [
-    "OVERLAP_CHOICES",
     "ForwardOverlap",
     "OverlapError",
     "OverlappedStep",
@@ -55,7 +54,6 @@ __all__ = [
     "synchronize_all",
 ]
 
-OVERLAP_CHOICES = (None, "forward")
 
 # Seconds between checks while waiting: a KeyboardInterrupt is seen this often.
 _POLL_SECONDS = 0.1

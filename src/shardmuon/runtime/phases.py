@@ -40,6 +40,8 @@ from shardmuon.runtime.telemetry import StepStats
 
 __all__ = [
     "BatchRun",
+    "GroupHyperparams",
+    "OwnerUpdate",
     "StepContext",
     "compute",
     "decay_all_params",
@@ -49,6 +51,7 @@ __all__ = [
     "orthogonalize_directions",
     "orthogonalize_run",
     "prepare",
+    "read_hyperparams",
     "step_batch",
     "update_all_momenta",
 ]
@@ -56,12 +59,33 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GroupHyperparams:
-    """A param group's hyperparameters as Python numbers (read once per round)."""
+    """A param group's hyperparameters as the phases read them (once per round): Python
+    numbers from :func:`read_hyperparams`; a reader that keeps them on the device may hand
+    0-d tensors instead (the phases only multiply by them)."""
 
     lr: float
     weight_decay: float
     mu: float
     nesterov: bool
+
+
+def read_hyperparams(param_groups: list[dict]) -> list[GroupHyperparams]:
+    """Each group's hyperparameters as Python numbers (a tensor lr read once)."""
+    return [
+        GroupHyperparams(
+            lr=setting_float(g["lr"]),
+            weight_decay=setting_float(g["weight_decay"]),
+            mu=setting_float(g.get("mu", 0.0)),
+            nesterov=bool(g.get("nesterov", False)),
+        )
+        for g in param_groups
+    ]
+
+
+# What the owner of a matrix computes from its whole direction: ``(ctx, U, batch)`` with
+# ``U`` a bf16 ``[N, rows, cols]`` stack it may overwrite, returning bf16 results of the
+# same shape. ``None``: Newton–Schulz per partition block (``StepContext.orthogonalize``).
+OwnerUpdate = Callable[["StepContext", Tensor, MuonBatch], Tensor]
 
 
 @dataclass
@@ -77,6 +101,7 @@ class StepContext:
     device: torch.device
     workspace_bytes: int
     hyperparams: list[GroupHyperparams] = field(default_factory=list)
+    owner_update: OwnerUpdate | None = None
     # The overlapped step's own process groups, by sorted global ranks (runtime/overlap.py);
     # empty: the mesh's groups.
     step_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
@@ -85,15 +110,8 @@ class StepContext:
     grads: dict[int, Tensor] | None = None
 
     def __post_init__(self) -> None:
-        self.hyperparams = [
-            GroupHyperparams(
-                lr=setting_float(g["lr"]),
-                weight_decay=setting_float(g["weight_decay"]),
-                mu=setting_float(g.get("mu", 0.0)),
-                nesterov=bool(g.get("nesterov", False)),
-            )
-            for g in self.param_groups
-        ]
+        if not self.hyperparams:
+            self.hyperparams = read_hyperparams(self.param_groups)
 
     def grad(self, param: Tensor) -> Tensor | None:
         """``param``'s grad for this step."""
@@ -132,10 +150,18 @@ class StepContext:
             return matrices, lambda: local.copy_(matrices.view(local.shape))
 
     def orthogonalize(self, U: Tensor, batch: MuonBatch) -> Tensor:
-        """Newton–Schulz on a bf16 ``[N, rows, cols]`` stack, per partition block.
+        """The owner's results for a bf16 ``[N, rows, cols]`` stack of whole directions:
+        ``owner_update``'s where one is set, else :meth:`newton_schulz`'s.
 
         ``U`` is overwritten (the pipeline's own buffer; the folded iteration uses it).
         """
+        if self.owner_update is not None:
+            return self.owner_update(self, U, batch)
+        return self.newton_schulz(U, batch)
+
+    def newton_schulz(self, U: Tensor, batch: MuonBatch) -> Tensor:
+        """Newton–Schulz on a bf16 ``[N, rows, cols]`` stack, per partition block (counted
+        in the step's telemetry); ``U`` is overwritten."""
         stats = self.stats
         stats.matrices_orthogonalized += U.size(0)
         stats.owned_shapes.extend([(U.size(1), U.size(2))] * U.size(0))

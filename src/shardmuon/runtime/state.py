@@ -296,26 +296,8 @@ def load_groups_to_host(
     optimizer.state.update(host_state_entries(state_dict["state"], saved_ids, params))
 
 
-# Where ``Muon.__getstate__`` puts the optimizer-wide settings, and the private attributes
-# a copy keeps with them.
+# Where ``Muon.__getstate__`` puts the settings and what its runner was given.
 SETTINGS_KEY = "_shardmuon_settings"
-# ``_default_coefficients`` is the same object as ``coefficients`` while they are the
-# default (deepcopy and pickle keep the identity), so the default follows the preconditioner.
-COPIED_PRIVATE = (
-    "_raw_partitions",
-    "_default_coefficients",
-    "_auto_record",
-    "warmup_setting",
-    "_ddp_ranks",
-)
-
-
-def with_settings(
-    state: dict[str, Any], settings: dict[str, Any], private: Iterable[str], owner: object
-) -> dict[str, Any]:
-    """torch's ``__getstate__`` dict plus the settings and ``owner``'s ``private`` attributes."""
-    state[SETTINGS_KEY] = {**settings, **{name: getattr(owner, name) for name in private}}
-    return state
 
 
 # Group settings that schedules change as training goes (an lr warm-up, a momentum cycle):
