@@ -17,16 +17,14 @@ in one line; :func:`check_setting` checks one setting alone, through the same va
 
 from __future__ import annotations
 
-import math
-import numbers
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -34,7 +32,7 @@ from torch import Tensor, nn
 
 from shardmuon.ops.newton_schulz import resolve_coefficients
 from shardmuon.routing import build_param_groups
-from shardmuon.settings import WORKSPACE_ACCEPTED, check_engine_settings, check_int
+from shardmuon.settings import SETTING_NAMES, MuonSettings, NumberRange, setting_field
 from shardmuon.validation import EPSILON_MIN, check_adjust_lr, check_number
 
 if TYPE_CHECKING:
@@ -80,32 +78,6 @@ def _checked_number(
     return float(value.item() if hasattr(value, "item") else value)
 
 
-@dataclass(frozen=True)
-class NumberRange:
-    """The finite numbers a setting accepts: from ``low`` up to ``high`` (``None``:
-    unbounded), each bound excluded where ``low_open`` / ``high_open`` says so. The CLIs'
-    numeric flag types (``harness.cli_support.Number``) hold one too."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-
-    def __contains__(self, value: object) -> bool:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return False
-        try:
-            if not math.isfinite(value):
-                return False
-        except OverflowError:  # an int beyond any float (10**400)
-            return False
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        if self.high is None:
-            return True
-        return value < self.high if self.high_open else value <= self.high
-
-
 # The range of every numeric setting, stated once. The validators below check it (lr to
 # update_rms through the constructor's validation.check_number, which takes a range from
 # ``low`` (0 unless given), > low where low_open, below an excluded upper bound; the QK-clip
@@ -117,18 +89,18 @@ FIELD_RANGES: dict[str, NumberRange] = {
     # float32's smallest normal number (validation.EPSILON_MIN: below it, 0 / 0 for a zero grad)
     "epsilon": NumberRange(EPSILON_MIN),
     "mu": NumberRange(0.0, 1.0, high_open=True),
-    "update_rms": NumberRange(0.0, low_open=True),
+    "update_rms": setting_field("update_rms").metadata["range"],
     "qk_clip_threshold": NumberRange(0.0, low_open=True),
     "qk_clip_alpha": NumberRange(0.0, 1.0),
 }
-INT_ACCEPTED = {
-    "max_in_flight": "an int >= 1",
-    "offload_prefetch": "an int >= 1",
-    "workspace_bytes": WORKSPACE_ACCEPTED,
-}
+
+# Settings whose own check runs before pydantic's coercion (Accepts.strict).
+STRICT_SETTINGS = tuple(
+    name for name in SETTING_NAMES if setting_field(name).metadata["accepts"].strict
+)
 
 
-class MuonConfig(BaseModel):
+class _MuonConfig(BaseModel):
     """Every ``shardmuon.Muon`` constructor option a user sets, with the same names.
 
     Defaults are the constructor's, except ``adjust_lr``: the constructor defaults to dion's
@@ -150,32 +122,9 @@ class MuonConfig(BaseModel):
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.01
     epsilon: float = 1e-8
-    update_rms: float = 0.2
     adjust_lr: str | None = "rms_norm"
-    newton_schulz_coefficients: CoefficientSpec = None
-    max_in_flight: int = 3
-    workspace_bytes: int | Literal["auto"] = "auto"
-    offload: Literal["state"] | None = None
-    offload_prefetch: int = 2
     flatten: bool = False
-    split_replicas: bool = False
-    rotate_owners: bool = True
-    check_grads: Literal["first", "always", "never"] = "first"
-    # "forward": the step behind the next forward (shardmuon.runtime.overlap).
-    overlap: Literal["forward"] | None = None
-    # "parameter": one AdamW chunk per parameter in chunks() (a caller-streamed offload).
-    adamw_chunks: Literal["group", "parameter"] = "group"
-    # Newton-Schulz calls replayed as CUDA graphs (shardmuon.runtime.graphs); None: the
-    # guarded calls only.
-    cuda_graphs: bool | None = None
-    # The engine table's names (shardmuon.ops.engines.ENGINES, and "auto").
-    newton_schulz_impl: str = "folded"
-    newton_schulz_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    # Taken as given (no coercion): the engine checks below refuse True or "2".
-    newton_schulz_restarts: Any = None
-    newton_schulz_guard: Any = None
-    newton_schulz_preconditioner: Literal["aol"] | None = None
-    warmup: bool | None = None
+    # The optimizer-wide settings (MuonSettings' fields) are added below, by create_model.
     # QK-clip (not Muon arguments: build_qk_clip reads them); None = off.
     qk_clip_threshold: float | None = None
     qk_clip_alpha: float = 0.5
@@ -195,7 +144,7 @@ class MuonConfig(BaseModel):
             raise ValueError(str(err)) from None
         return float(value)
 
-    @field_validator("lr", "weight_decay", "epsilon", "mu", "update_rms", mode="before")
+    @field_validator("lr", "weight_decay", "epsilon", "mu", mode="before")
     @classmethod
     def _numbers(cls, value: Any, info: ValidationInfo) -> float:
         name = info.field_name
@@ -225,7 +174,7 @@ class MuonConfig(BaseModel):
         check_adjust_lr("", value)
         return value
 
-    @field_validator("newton_schulz_coefficients", mode="before")
+    @field_validator("newton_schulz_coefficients", mode="before", check_fields=False)
     @classmethod
     def _coefficients(cls, value: Any) -> Any:
         # resolve_coefficients raises the ValueError/TypeError that names the bad entry;
@@ -238,52 +187,64 @@ class MuonConfig(BaseModel):
             return value
         return [tuple(t) for t in triples]
 
-    @field_validator("newton_schulz_impl")
+    @field_validator(*STRICT_SETTINGS, mode="before", check_fields=False)
     @classmethod
-    def _engine(cls, value: str) -> str:
-        from shardmuon.ops.engines import NS_CHOICES
-
-        if value not in NS_CHOICES:
-            raise ValueError(
-                f"unknown newton_schulz_impl {value!r}; accepted: {', '.join(map(repr, NS_CHOICES))}"
-            )
-        return value
-
-    @field_validator("max_in_flight", "offload_prefetch", "workspace_bytes", mode="before")
-    @classmethod
-    def _counts(cls, value: Any, info: ValidationInfo) -> Any:
-        if info.field_name == "workspace_bytes" and value == "auto":
-            return value
+    def _strict_settings(cls, value: Any, info: ValidationInfo) -> Any:
+        # The setting's own check before pydantic's coercion (which would take True as 1).
+        name = info.field_name
+        value = _number(name, value) if name == "update_rms" else value
         try:
-            check_int(info.field_name, value, 1, INT_ACCEPTED[info.field_name])
+            setting_field(name).metadata["accepts"].check(name, value)
         except TypeError as err:  # pydantic reports ValueErrors against the field
             raise ValueError(str(err)) from None
-        return value
+        return float(value) if name == "update_rms" else value
 
     @model_validator(mode="after")
-    def _engine_settings(self) -> MuonConfig:
-        # The constructor's own checks, on the config as a whole (restarts depend on the
-        # schedule's length and the engine; pydantic would coerce True to 1).
-        from shardmuon.ops.engines import resolve_restarts
-
-        spec = self.newton_schulz_coefficients
-        if spec is None and self.newton_schulz_preconditioner == "aol":
-            spec = "aol"
+    def _settings_together(self) -> _MuonConfig:
+        # The constructor's own checks, on the settings as a whole (restarts depend on the
+        # schedule's length and the engine).
         try:
-            check_engine_settings(self.model_dump(), len(resolve_coefficients(spec)))
+            restarts = self.settings().newton_schulz_restarts
         except TypeError as err:
             raise ValueError(str(err)) from None
-        restarts = resolve_restarts(self.newton_schulz_restarts, len(resolve_coefficients(spec)))
         object.__setattr__(
             self, "newton_schulz_restarts", None if restarts is None else list(restarts)
         )
         return self
+
+    def settings(self) -> MuonSettings:
+        """The optimizer-wide settings this config gives ``Muon``, checked."""
+        return MuonSettings(**{name: getattr(self, name) for name in SETTING_NAMES})
 
     def muon_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``shardmuon.Muon`` (everything but ``params``)."""
         kwargs = self.model_dump(exclude=set(QK_CLIP_FIELDS))
         kwargs["betas"] = tuple(kwargs["betas"])
         return kwargs
+
+
+def _setting_fields() -> dict[str, Any]:
+    """MuonConfig's declaration of each optimizer-wide setting: its config type and default
+    (``settings.py`` states both, with the setting)."""
+    fields = {}
+    for name in SETTING_NAMES:
+        spec = setting_field(name)
+        fields[name] = (spec.metadata["accepts"].config_type, spec.default)
+    return fields
+
+
+if TYPE_CHECKING:
+
+    class MuonConfig(_MuonConfig):
+        """The generated model as a type checker sees it: the settings are its fields."""
+
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    MuonConfig = create_model(
+        "MuonConfig", __base__=_MuonConfig, __module__=__name__, **_setting_fields()
+    )
+    MuonConfig.__doc__ = _MuonConfig.__doc__
 
 
 def config_error(err: ValidationError) -> str:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -42,10 +43,13 @@ __all__ = [
     "OVERLAP_CHOICES",
     "SETTING_NAMES",
     "WORKSPACE_ACCEPTED",
+    "Accepts",
     "MuonSettings",
+    "NumberRange",
     "check_engine_settings",
     "check_int",
     "setting_doc",
+    "setting_field",
     "setting_summary",
     "settings_args",
 ]
@@ -61,6 +65,44 @@ WORKSPACE_ACCEPTED = "an int > 0 (bytes) or 'auto'"
 Check = Callable[[str, Any], None]
 
 
+@dataclass(frozen=True)
+class Accepts:
+    """What a setting accepts: ``check(name, value)`` raises ``ValueError``/``TypeError``
+    naming the setting, the value and what is accepted; ``config_type`` is the type
+    ``MuonConfig`` declares for it (pydantic coerces parsed TOML/CLI text to it), and
+    ``strict`` runs ``check`` before that coercion (an int setting: ``True`` is not 1)."""
+
+    check: Check
+    config_type: Any = Any
+    strict: bool = False
+
+
+@dataclass(frozen=True)
+class NumberRange:
+    """The finite numbers a setting accepts: from ``low`` up to ``high`` (``None``:
+    unbounded), each bound excluded where ``low_open`` / ``high_open`` says so. The CLIs'
+    numeric flag types (``harness.cli_support.Number``) hold one too."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return False
+        try:
+            if not math.isfinite(value):
+                return False
+        except OverflowError:  # an int beyond any float (10**400)
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        if self.high is None:
+            return True
+        return value < self.high if self.high_open else value <= self.high
+
+
 def check_int(name: str, value: Any, low: int, accepted: str) -> None:
     """``value`` must be an int (not a bool) ``>= low``; ``accepted`` says so in the message."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -69,28 +111,36 @@ def check_int(name: str, value: Any, low: int, accepted: str) -> None:
         raise ValueError(f"{name} must be {accepted}, got {value!r}")
 
 
-def _choice(choices: Sequence[Any]) -> Check:
+def _choice(choices: Sequence[Any]) -> Accepts:
+    """One of ``choices`` (``None`` among them: optional)."""
+
     def check(name: str, value: Any) -> None:
         if value not in choices:
             shown = ", ".join(map(repr, choices))
             raise ValueError(f"unknown {name} {value!r}; accepted: {shown}")
 
-    return check
+    named = tuple(c for c in choices if c is not None)
+    config_type: Any = Literal[named]
+    return Accepts(check, config_type | None if None in choices else config_type)
 
 
-def _flag(words: str, *accepted: Any) -> Check:
+def _flag(words: str, *accepted: Any) -> Accepts:
     """``True``/``False`` (and ``None`` where ``accepted`` holds it); ``words`` says which."""
 
     def check(name: str, value: Any) -> None:
         if not (value in accepted and (value is None or isinstance(value, bool))):
             raise TypeError(f"{name} must be {words}, got {value!r}")
 
-    return check
+    return Accepts(check, bool | None if None in accepted else bool)
 
 
 def _positive_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, int) and abs(value) >= 2**1024:  # no float holds it
+        raise ValueError(
+            f"{name} must be a finite number > 0, got an int of {len(str(abs(value)))} digits"
+        )
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
@@ -110,23 +160,27 @@ def _workspace(name: str, value: Any) -> None:
         check_int(name, value, 1, WORKSPACE_ACCEPTED)
 
 
-def _anything(name: str, value: Any) -> None:
+def _with_engine(config_type: Any) -> Accepts:
     """Checked with the other Newton–Schulz settings (``check_engine_settings``)."""
+    return Accepts(lambda name, value: None, config_type)
 
 
 def setting(
     default: Any,
     doc: str,
-    check: Check,
+    accepts: Accepts,
     *,
     summary: str = "",
+    number_range: NumberRange | None = None,
     agreed: bool = True,
     planned: bool = False,
 ) -> Any:
-    """One :class:`MuonSettings` field: its default and metadata (see the module docstring)."""
+    """One :class:`MuonSettings` field: its default and metadata (see the module docstring);
+    ``number_range``: a numeric setting's range, as command-line help states it."""
     first = doc.split(". ")[0].split("; ")[0].rstrip(".")
-    metadata = {"doc": doc, "summary": summary or first, "check": check}
-    return field(default=default, metadata={**metadata, "agreed": agreed, "planned": planned})
+    metadata = {"doc": doc, "summary": summary or first, "accepts": accepts}
+    extra = {"range": number_range, "agreed": agreed, "planned": planned}
+    return field(default=default, metadata={**metadata, **extra})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,7 +191,8 @@ class MuonSettings:
     update_rms: float = setting(
         0.2,
         'the update RMS of ``adjust_lr="rms_norm"`` (0.2 = dion).',
-        _positive_number,
+        Accepts(_positive_number, float, strict=True),
+        number_range=NumberRange(0.0, low_open=True),
         summary="update RMS of Muon's rms_norm scaling",
         planned=True,
     )
@@ -146,14 +201,14 @@ class MuonSettings:
         "a preset of ``NS_PRESETS`` or ``(a, b, c)`` triples, one per iteration (kept as "
         'triples); ``None``: ``"dion"`` (``"aol"`` with the AOL preconditioner). The '
         "attribute ``coefficients`` reads the triples in use.",
-        _anything,
+        _with_engine(str | list[tuple[float, float, float]] | None),
         summary="Newton-Schulz coefficient preset",
     )
     max_in_flight: int = setting(
         3,
         "batches between the gather and the compute phase in ``step()`` (default 3); "
         "``max_concurrent_tasks`` is the same setting under prime-rl's name.",
-        _at_least_one,
+        Accepts(_at_least_one, int, strict=True),
     )
     workspace_bytes: int | str = setting(
         "auto",
@@ -164,7 +219,7 @@ class MuonSettings:
         "(``device_workspace_bytes``; a warning where less than twice that is free); "
         "resolved once, then an int like a given one (agreed by every rank, kept by "
         "copies).",
-        _workspace,
+        Accepts(_workspace, int | Literal["auto"], strict=True),
         planned=True,
     )
     offload: str | None = setting(
@@ -177,7 +232,7 @@ class MuonSettings:
     offload_prefetch: int = setting(
         2,
         'with ``offload="state"``, how many chunks ahead their state is streamed (default 2).',
-        _prefetch,
+        Accepts(_prefetch, int, strict=True),
         agreed=False,
     )
     newton_schulz_impl: str = setting(
@@ -186,28 +241,28 @@ class MuonSettings:
         ' on wide matrices, guarded), ``"auto"`` (folded or guarded Gram per shape class,'
         " timed by rank 0 at the first step; ``state_dict()`` keeps the choice), "
         '``"per-matrix"`` (batch-invariant), ``"unfolded"`` (dion\'s), ``"compiled"``.',
-        _choice(NS_CHOICES),
+        Accepts(_choice(NS_CHOICES).check, str, strict=True),
         summary="Newton-Schulz engine",
         planned=True,
     )
     newton_schulz_dtype: torch.dtype | str = setting(
         "bfloat16",
         "the iteration's dtype (bf16 default, fp16, fp32; bf16 results).",
-        _anything,
+        _with_engine(Literal["bfloat16", "float16", "float32"]),
         summary="Newton-Schulz iteration dtype",
         planned=True,
     )
     newton_schulz_restarts: tuple[int, ...] | None = setting(
         None,
         "Gram's restart steps (``None``: after 2, then every 3).",
-        _anything,
+        _with_engine(Any),
         planned=True,
     )
     newton_schulz_guard: bool | None = setting(
         None,
         "the divergence guard (``None``: on for Gram; certifies sigma_max <= 1.15x the "
         "band, ``ops/newton_schulz_guard.py``).",
-        _anything,
+        _with_engine(Any),
         planned=True,
     )
     newton_schulz_preconditioner: str | None = setting(
@@ -215,7 +270,7 @@ class MuonSettings:
         "``None`` (dion's numerics) or ``\"aol\"`` (Turbo-Muon's row scaling from the first"
         " iteration's Gram matrix; 4 steps by default; keeps the epsilon floor: a grad "
         "far below epsilon is damped as without AOL, at every dtype).",
-        _anything,
+        _with_engine(Literal["aol"] | None),
         summary="Newton-Schulz preconditioner ('aol': Turbo-Muon's row scaling, then the "
         "4-step 'aol' coefficients unless --coefficients is given)",
         planned=True,
@@ -288,7 +343,7 @@ class MuonSettings:
             triples = resolve_coefficients(self.newton_schulz_coefficients)
             object.__setattr__(self, "newton_schulz_coefficients", triples)
         for spec in dataclasses.fields(self):
-            spec.metadata["check"](spec.name, getattr(self, spec.name))
+            spec.metadata["accepts"].check(spec.name, getattr(self, spec.name))
             if spec.name == "newton_schulz_impl":
                 raw = {name: getattr(self, name) for name in SETTING_NAMES}
                 check_engine_settings(raw, len(self.coefficients))
@@ -349,7 +404,8 @@ class MuonSettings:
 SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(MuonSettings))
 
 
-def _field(name: str) -> dataclasses.Field:
+def setting_field(name: str) -> dataclasses.Field:
+    """Setting ``name``'s field (its default and metadata); ``KeyError`` naming the fields."""
     for spec in dataclasses.fields(MuonSettings):
         if spec.name == name:
             return spec
@@ -358,12 +414,12 @@ def _field(name: str) -> dataclasses.Field:
 
 def setting_doc(name: str) -> str:
     """The docstring of setting ``name``."""
-    return _field(name).metadata["doc"]
+    return setting_field(name).metadata["doc"]
 
 
 def setting_summary(name: str) -> str:
     """The one-line summary of setting ``name`` (command-line help)."""
-    return _field(name).metadata["summary"]
+    return setting_field(name).metadata["summary"]
 
 
 def check_engine_settings(settings: Mapping[str, Any], steps: int) -> None:

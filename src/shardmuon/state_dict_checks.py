@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from shardmuon.validation import MOMENTUM_ALIAS, check_group, check_number
 
-__all__ = ["DROPPED_KEYS", "STATE_KEYS", "checked_groups"]
+__all__ = ["DROPPED_KEYS", "checked_groups"]
 
 # The state a parameter has under each algorithm (dion's keys).
 STATE_KEYS = {"muon": {"momentum"}, "sinkhorn": {"momentum"}, "adamw": {"momentum", "variance"}}

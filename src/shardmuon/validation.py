@@ -21,19 +21,13 @@ from shardmuon.ops.update import ADJUST_LR_CHOICES
 from shardmuon.settings import SETTING_NAMES
 
 __all__ = [
-    "ALGORITHMS",
     "EPSILON_MIN",
     "MOMENTUM_ALIAS",
-    "apply_momentum_alias",
     "check_dion_arguments",
-    "check_epsilon",
     "check_grads",
     "check_group",
-    "check_group_settings",
     "check_live_groups",
-    "check_mesh",
     "check_number",
-    "check_sinkhorn_settings",
     "group_defaults",
     "refuse_state_offloader",
     "resolve_max_in_flight",

@@ -42,7 +42,9 @@ from shardmuon.harness.cli_support import (
 from shardmuon.harness.models import attention_dims, build_model
 from shardmuon.ops.newton_schulz import NS_PRESETS, newton_schulz_reference
 
-__all__ = ["ROWS", "add_parser", "reference_muon_step", "run"]
+__all__ = [
+    "add_parser",
+]
 
 # (coefficient preset, newton_schulz_impl) per table row.
 ROWS: tuple[tuple[str, str], ...] = (

@@ -34,7 +34,6 @@ from shardmuon.bench.report import repeat_times
 from shardmuon.ops.orthogonalizer import EngineCost
 
 __all__ = [
-    "StepFloor",
     "gemm_rate",
     "measure_floor",
     "memory_bandwidth",

@@ -39,12 +39,7 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "DEVICE_PATHS",
-    "PHASES",
-    "LaunchCounter",
-    "LaunchReport",
-    "PhaseCounts",
     "count_step",
-    "preset_params",
 ]
 
 DEVICE_PATHS = ("accelerator", "cpu")

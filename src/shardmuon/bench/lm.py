@@ -45,7 +45,7 @@ from shardmuon.harness.cli_support import (
 from shardmuon.harness.models import MODEL_PRESETS
 from shardmuon.harness.processes import NPROC_RULE
 
-__all__ = ["ENGINE_SETTINGS", "add_parser", "embedding_setting", "run", "sweep_configs"]
+__all__ = ["add_parser", "sweep_configs"]
 
 # The settings compared at Muon's best lr: MuonConfig fields changed from the default
 # (folded engine, bf16, dion coefficients). "qk-clip" takes --qk-clip-threshold.

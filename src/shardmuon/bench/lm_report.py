@@ -29,9 +29,7 @@ from shardmuon.bench.report import fmt, print_table
 
 __all__ = [
     "best_key",
-    "diverged",
     "every_run_diverged_line",
-    "final_loss",
     "plot_equal_budget",
     "plot_lm",
     "print_lm_tables",

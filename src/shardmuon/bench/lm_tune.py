@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "SIGNIFICANCE_MARGIN",
     "Candidate",
     "ResumeLog",
     "compare",

@@ -52,12 +52,7 @@ from shardmuon.ops.newton_schulz import (
 )
 
 __all__ = [
-    "CPU_SHAPES",
-    "GPU_SHAPES",
     "add_parser",
-    "parse_shapes",
-    "run",
-    "unstable_warning",
 ]
 
 # The MoE and attention shapes of a 30B-A3B model (the H200 reference timings are for

@@ -29,8 +29,6 @@ from shardmuon.ops.newton_schulz_gram import (
 from shardmuon.ops.newton_schulz_guard import guarded
 
 __all__ = [
-    "UNSTABLE_RATIO",
-    "gemm_flops",
     "input_and_reference",
     "kind_inputs",
     "measure_engine",

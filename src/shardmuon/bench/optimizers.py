@@ -21,8 +21,6 @@ __all__ = [
     "IMPLEMENTATIONS",
     "OFFLOAD_SUFFIX",
     "OVERLAP_SUFFIX",
-    "SHARDMUON_OPTIONS",
-    "WEIGHT_DECAY",
     "dion_unavailable",
     "make_optimizer",
     "shardmuon_options",

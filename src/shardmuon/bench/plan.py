@@ -75,17 +75,11 @@ from shardmuon.ops.newton_schulz import NS_PRESETS
 from shardmuon.planning.batches import MuonBatch
 
 __all__ = [
-    "PlanConfig",
-    "RankFigures",
-    "RankPlan",
     "add_parser",
     "build_meta_model",
-    "evaluate_rank",
     "parse_meshes",
     "parse_world_sizes",
     "plan_world",
-    "rank_figures",
-    "run",
 ]
 
 

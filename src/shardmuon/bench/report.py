@@ -28,20 +28,13 @@ __all__ = [
     "TABLE_WIDTH",
     "environment",
     "fmt",
-    "median_time",
     "new_progress",
-    "overlapping_x_tick_labels",
-    "plot_figure",
     "print_legend",
     "print_table",
     "repeat_times",
-    "save_plot",
-    "separate_x_tick_labels",
     "set_threads",
     "spread",
-    "stderr_console",
     "synchronize",
-    "title_lines",
     "write_json",
     "write_outputs",
 ]
@@ -263,13 +256,6 @@ def repeat_times(
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
-
-
-def median_time(
-    fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 1
-) -> float:
-    """Median wall-clock seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
-    return statistics.median(repeat_times(fn, device, repeats, warmup))
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:

@@ -53,13 +53,9 @@ from shardmuon.ops.orthogonalizer import NS_CHOICES
 DEFAULT_MODEL = "tiny-moe"
 
 __all__ = [
-    "IMPLEMENTATIONS",
-    "StepConfig",
     "add_parser",
     "drop_duplicate_configs",
     "parse_impls",
-    "run",
-    "summarize",
 ]
 
 

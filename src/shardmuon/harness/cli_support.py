@@ -41,16 +41,13 @@ __all__ = [
     "check_output_dir",
     "check_output_file",
     "check_outputs",
-    "close_choices",
     "int_at_least",
-    "nonnegative_float",
     "nonnegative_int",
     "note",
     "note_written",
     "positive_float",
     "positive_int",
     "seed_int",
-    "unit_interval",
 ]
 
 
@@ -124,8 +121,6 @@ nonnegative_int = Number(int, 0)
 # torch's generators take seeds up to 2**64 - 1 (and negatives, which nothing here needs).
 seed_int = Number(int, 0, 2**64 - 1, accepted="an int in [0, 2**64)")
 positive_float = Number(float, 0, low_open=True)
-nonnegative_float = Number(float, 0)
-unit_interval = Number(float, 0, 1)
 
 
 def int_at_least(minimum: int) -> Number:

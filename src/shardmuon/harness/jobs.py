@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "ESTIMATE_MIN_SECONDS",
-    "INTERRUPTED_EXIT_CODE",
-    "Job",
     "current_job",
     "end_child_processes",
     "estimate_line",

@@ -7,7 +7,10 @@ from collections.abc import Sequence
 
 from shardmuon.harness.parallel import LayoutPlan, plan_layout
 
-__all__ = ["MESH_FORMS", "check_mesh", "default_mesh_note", "describe_mesh"]
+__all__ = [
+    "check_mesh",
+    "default_mesh_note",
+]
 
 
 # --mesh's form per layout, as the commands' help spells it.

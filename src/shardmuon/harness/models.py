@@ -18,7 +18,6 @@ from torch import nn
 
 __all__ = [
     "MODEL_PRESETS",
-    "ModelPreset",
     "attention_dims",
     "build_model",
     "model_config",

@@ -45,10 +45,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "EP_MESH_DIM_NAMES",
-    "EXPERT_MESH_NAME",
     "LAYOUTS",
-    "AppliedLayout",
     "LayoutPlan",
     "apply_layout",
     "decoder_layers",

@@ -31,9 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
-    "MAX_NPROC_ENV",
     "NPROC_RULE",
-    "ProcessLimit",
     "available_memory_bytes",
     "check_process_count",
     "check_thread_count",

@@ -36,7 +36,7 @@ from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfi
 
 from shardmuon.optimizer import Muon
 
-__all__ = ["ADAMW_PATTERN", "FACTORY_NAME", "MuonOptimizers", "muon_param_groups", "with_muon"]
+__all__ = ["ADAMW_PATTERN", "MuonOptimizers", "muon_param_groups", "with_muon"]
 
 # The container's name for shardmuon's factory.
 FACTORY_NAME = "shardmuon"

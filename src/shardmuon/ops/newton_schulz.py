@@ -30,9 +30,6 @@ from shardmuon.ops.normalize import Normalized, gram_ready, normalize, normalize
 
 __all__ = [
     "NS_PRESETS",
-    "POLAR_EXPRESS_PAPER",
-    "POLAR_EXPRESS_SAFETY",
-    "PRECONDITIONERS",
     "Coefficients",
     "aol_rescale_",
     "check_preconditioner",
@@ -40,14 +37,12 @@ __all__ = [
     "iterate_folded",
     "iterate_unfolded",
     "newton_schulz",
-    "newton_schulz_compiled",
     "newton_schulz_per_matrix",
     "newton_schulz_reference",
     "newton_schulz_unfolded",
     "orthogonalize_per_matrix",
     "orthogonalize_with",
     "resolve_coefficients",
-    "with_input_scaled",
 ]
 
 Coefficients = tuple[tuple[float, float, float], ...]
@@ -510,18 +505,6 @@ def compiled_iterate_folded(
     if _compiled_iterate is None:
         _compiled_iterate = torch.compile(iterate_folded, dynamic=False)
     return _compiled_iterate(X, coefficients, preconditioner, eps_floor)
-
-
-def newton_schulz_compiled(
-    G: Tensor,
-    coefficients: str | Sequence[Sequence[float]] | None = None,
-    eps: float = 1e-8,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-) -> Tensor:
-    """:func:`newton_schulz` with its iteration through ``torch.compile`` (the shared
-    normalisation stays eager); ``dtype`` out."""
-    return orthogonalize_with(compiled_iterate_folded, G, coefficients, eps, dtype=dtype).X
 
 
 def newton_schulz_unfolded(

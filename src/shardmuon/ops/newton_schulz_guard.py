@@ -67,7 +67,6 @@ __all__ = [
     "guarded",
     "guarded_on_device",
     "host_branch",
-    "largest_singular_value",
 ]
 
 # ``branch(pred, body)``: run ``body()`` when the 0-d bool tensor ``pred`` holds, wherever

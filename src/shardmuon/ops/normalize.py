@@ -41,7 +41,6 @@ from shardmuon.ops.fused_normalize import (
 __all__ = [
     "NORMALIZE_CHUNK_ELEMENTS",
     "Normalized",
-    "frobenius_norm_fp32",
     "gram_ready",
     "normalize",
     "normalize_unit",
@@ -78,20 +77,6 @@ def _power_of_two_below(value: Tensor) -> Tensor:
     normal fp32; 0 gives 1): multiplying by it is exact."""
     exponent = power_of_two_exponent(value)
     return torch.ldexp(torch.ones_like(value, dtype=torch.float32), -exponent).to(torch.float32)
-
-
-def frobenius_norm_fp32(X: Tensor) -> tuple[Tensor, Tensor]:
-    """``(s, ||s X||_F)`` per matrix of ``X[B, m, n]``, both fp32 ``[B, 1, 1]``, where ``s``
-    is the power of two that brings the largest entry into ``[0.5, 1)``: no overflow or
-    underflow whatever the scale of ``X`` (a norm above fp32's largest value included),
-    and wherever the plain fp32 reduction neither overflows nor underflows, ``||s X|| / s``
-    is its very bits. Non-finite entries give a non-finite norm."""
-    largest = torch.linalg.vector_norm(
-        X, ord=math.inf, dim=(-2, -1), keepdim=True, dtype=torch.float32
-    )
-    scale = _power_of_two_below(largest)
-    scaled = X.to(torch.float32, copy=True).mul_(scale)
-    return scale, torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
 
 
 def _decides_on_host(device: torch.device) -> bool:

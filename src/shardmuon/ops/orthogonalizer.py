@@ -31,7 +31,6 @@ from shardmuon.ops.newton_schulz_guard import Branch, GuardVerdict, guarded, gua
 from shardmuon.ops.normalize import NORMALIZE_CHUNK_ELEMENTS
 
 __all__ = [
-    "AUTO_GRAM_MIN_ASPECT",
     "NS_CHOICES",
     "NS_DTYPES",
     "EngineCost",
@@ -40,7 +39,6 @@ __all__ = [
     "auto_choice",
     "guard_enabled",
     "live_coefficients",
-    "resolve_ns_dtype",
 ]
 
 # ``"auto"``'s rule: Gram where it saves enough FLOPs to pay for its guard and the device

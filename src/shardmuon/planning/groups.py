@@ -24,7 +24,6 @@ __all__ = [
     "ShardGroup",
     "exchange_group",
     "group_of_ranks",
-    "job_timeout",
     "made_in_this_world",
     "mesh_dim_group",
     "replica_group",

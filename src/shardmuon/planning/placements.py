@@ -48,7 +48,6 @@ from shardmuon.planning.pieces import Piece, shard_ranges
 __all__ = [
     "MatrixLayout",
     "SinkhornLayout",
-    "group_pieces",
     "local_indices",
     "local_slice",
     "local_tensor",

@@ -59,12 +59,10 @@ from shardmuon.planning.plan import SinkhornChunk
 
 __all__ = [
     "agreement_groups",
-    "check_agreement",
     "check_live_agreement",
     "check_plan_agreement",
     "collective_order",
     "first_difference",
-    "live_description",
     "live_settings",
     "spread_rounds",
 ]

@@ -42,10 +42,7 @@ from shardmuon.ops.orthogonalizer import NewtonSchulzSettings, Orthogonalizer, a
 from shardmuon.planning.batches import MuonBatch
 
 __all__ = [
-    "DEFAULT_ENGINE",
     "STATE_DICT_KEY",
-    "ShapeClass",
-    "auto_record",
     "calibrate",
     "calibrate_plan",
     "plan_shape_classes",

@@ -45,11 +45,9 @@ __all__ = [
     "OverlapError",
     "OverlappedStep",
     "ReadMap",
-    "chunks_of_params",
     "forward_order",
     "snapshot_grads",
     "snapshot_group",
-    "step_groups_of",
     "step_process_groups",
     "synchronize_all",
 ]

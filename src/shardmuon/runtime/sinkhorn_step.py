@@ -23,7 +23,6 @@ from shardmuon.runtime.phases import StepContext
 
 __all__ = [
     "SinkhornProgress",
-    "sinkhorn_param",
     "sinkhorn_peak_bytes",
     "sinkhorn_state_views",
     "step_sinkhorn",

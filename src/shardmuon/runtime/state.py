@@ -27,16 +27,13 @@ from shardmuon.planning.placements import local_tensor
 from shardmuon.runtime.offload import host_copy
 
 __all__ = [
-    "STATE_KEYS",
     "adopt_loaded_counts",
     "adopt_loaded_groups",
     "advance_step_counters",
     "check_state_devices",
-    "host_state_entries",
     "init_state",
     "load_groups_to_host",
     "load_hooks_held",
-    "placed",
     "restore_fp32_state",
     "run_load_pre_hooks",
 ]

@@ -31,7 +31,6 @@ from shardmuon.planning.plan import SinkhornChunk
 from shardmuon.runtime.exchange import backend_serving
 
 __all__ = [
-    "WARMUP_CAP_BYTES",
     "GroupWarmup",
     "plan_groups",
     "wants_warmup",

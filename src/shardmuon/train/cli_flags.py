@@ -24,6 +24,7 @@ from shardmuon.harness.models import MODEL_PRESETS
 from shardmuon.harness.processes import NPROC_RULE
 from shardmuon.ops.engines import NS_CHOICES
 from shardmuon.ops.newton_schulz import NS_PRESETS
+from shardmuon.settings import setting_summary
 from shardmuon.train.config import (
     EMBEDDING_UPDATES,
     LM_DEFAULTS,
@@ -41,7 +42,6 @@ from shardmuon.train.tasks import TASKS
 __all__ = [
     "FIXED_FIELDS",
     "OPTIM_FLAGS",
-    "TASK_DEFAULTS",
     "TASK_ONLY",
     "SettingNumber",
     "add_data_flags",
@@ -169,25 +169,24 @@ def add_optimizer_flags(train) -> None:
     )  # fmt: skip
     train.add_argument(
         "--coefficients", choices=sorted(NS_PRESETS), default=None,
-        help=_fixed_help("Newton-Schulz coefficient preset", optim.newton_schulz_coefficients),
+        help=_fixed_help(
+            setting_summary("newton_schulz_coefficients"), optim.newton_schulz_coefficients),
     )  # fmt: skip
     train.add_argument(
         "--ns-impl", choices=NS_CHOICES, default=None,
-        help=_fixed_help("Newton-Schulz engine", optim.newton_schulz_impl),
+        help=_fixed_help(setting_summary("newton_schulz_impl"), optim.newton_schulz_impl),
     )  # fmt: skip
     train.add_argument(
         "--ns-dtype", choices=tuple(DTYPES), default=None,
-        help=_fixed_help("Newton-Schulz iteration dtype", DTYPE_NAMES[DTYPES["bf16"]]),
+        help=_fixed_help(setting_summary("newton_schulz_dtype"), DTYPE_NAMES[DTYPES["bf16"]]),
     )  # fmt: skip
     train.add_argument(
         "--ns-preconditioner", choices=("aol",), default=None,
-        help=_fixed_help(
-            "Newton-Schulz preconditioner ('aol': Turbo-Muon's row scaling, then the 4-step "
-            "'aol' coefficients unless --coefficients is given)", "none"),
+        help=_fixed_help(setting_summary("newton_schulz_preconditioner"), "none"),
     )  # fmt: skip
     train.add_argument(
         "--update-rms", type=setting_type("update_rms"), default=None,
-        help=_fixed_help("update RMS of Muon's rms_norm scaling", optim.update_rms),
+        help=_fixed_help(setting_summary("update_rms"), optim.update_rms),
     )  # fmt: skip
     train.add_argument(
         "--lr", type=_TRAIN_LR, default=None,

@@ -34,11 +34,9 @@ import torch
 __all__ = [
     "DATA_SUFFIXES",
     "END_OF_TEXT",
-    "HELD_OUT_FRACTION",
     "VOCAB_SIZE",
     "Corpus",
     "CorpusPlan",
-    "Piece",
     "default_data_path",
     "plan_corpus",
     "read_corpus",

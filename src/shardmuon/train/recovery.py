@@ -39,7 +39,7 @@ from shardmuon.train.checkpoint import (
     read_trainer_state,
 )
 
-__all__ = ["Selection", "find_checkpoint", "repair_checkpoints", "step_checkpoints"]
+__all__ = ["find_checkpoint", "repair_checkpoints", "step_checkpoints"]
 
 _STEP_NAME = re.compile(re.escape(STEP_PREFIX) + r"(\d+)")
 _LEFTOVER_NAME = re.compile(

@@ -33,7 +33,6 @@ __all__ = [
     "adopt_checkpoint_settings",
     "flag_name",
     "recorded_settings",
-    "setting",
     "settings_conflicts",
 ]
 

@@ -22,7 +22,10 @@ from shardmuon.train.loop import EstimatePlan, build_optimizer, build_training_m
 from shardmuon.train.resume import recorded_settings, settings_conflicts
 from shardmuon.train.tasks import task_vocab_size
 
-__all__ = ["prepare_resume", "run_training", "write_losses"]
+__all__ = [
+    "prepare_resume",
+    "run_training",
+]
 
 
 def prepare_resume(config: TrainConfig) -> str | None:

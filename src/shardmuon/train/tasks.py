@@ -20,7 +20,6 @@ from shardmuon.train.lm_data import VOCAB_SIZE, Corpus, CorpusPlan, plan_corpus,
 __all__ = [
     "TASKS",
     "LanguageModelTask",
-    "ReverseTask",
     "build_task",
     "check_corpus",
     "task_vocab_size",
