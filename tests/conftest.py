@@ -1,8 +1,9 @@
 """The test tree reads like the package (``ops/``, ``planning/``, ``runtime/``,
 ``optimizer/``, ``clients/``, ``bench/``, ``train/``). Shared helpers live apart from the
 pytest modules: ``support/`` (independent references, the dion fixtures, copies) and
-``worlds/`` (the multi-process harness and the per-world case modules it runs). Both are on
-``sys.path`` here, so that test modules and the spawned ranks import them by name."""
+``worlds/`` (the multi-process harness). Each multi-process case module (``*_cases.py``)
+sits beside the test that runs it. All these folders are on ``sys.path`` here, so that test
+modules and the spawned ranks (which get the parent's ``sys.path``) import them by name."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 HERE = Path(__file__).parent
-for folder in ("support", "worlds"):
+CASE_FOLDERS = sorted({path.parent.name for path in HERE.glob("*/*_cases.py")})
+for folder in ("support", "worlds", *CASE_FOLDERS):
     path = str(HERE / folder)
     if path not in sys.path:
         sys.path.insert(0, path)

@@ -3,7 +3,7 @@ function wrapped by ``with_muon`` loads with torchtitan's ``ConfigManager`` (``-
 ``--config``), its optimizer config builds :class:`MuonOptimizers` the way the trainer calls
 it, the AdamW settings of the registry's config carry over, and torchtitan's scheduler drives
 both kinds of group. The 4-rank FSDP2 x TP x EP form is ``torchtitan_recipe_fsdp_tp_ep_bitwise``
-in ``tests/worlds/dist_client_cases.py``."""
+in ``tests/clients/dist_client_cases.py``."""
 
 from __future__ import annotations
 

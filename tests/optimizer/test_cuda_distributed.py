@@ -3,7 +3,7 @@ machine; skipped without CUDA and NCCL, and each test without enough devices).
 
 Every test compares the overlapped step with the sequential step of the same optimizer on
 the same ranks, bitwise: the output of every forward, and the final weights and optimizer
-state. The gloo versions (``tests/worlds/dist_overlap_cases.py``) cover the logic; these
+state. The gloo versions (``tests/runtime/dist_overlap_cases.py``) cover the logic; these
 cover what only CUDA streams and NCCL communicators show.
 
 - ``test_fsdp2_at_world_size_one_on_nccl_with_a_slow_worker`` (1 GPU): FSDP2 per layer on a

@@ -3,7 +3,7 @@
 and the divergence guard with its telemetry (``ops/newton_schulz_guard.py``,
 ``runtime/telemetry.py``).
 
-The multi-process cases are in ``tests/worlds/dist_groups_warmup_cases.py``: ``CASES`` share
+The multi-process cases are in ``tests/runtime/dist_groups_warmup_cases.py``: ``CASES`` share
 one gloo world, each ``RISKY`` case (one that may hang or leave its world out of step) runs
 in a world of its own with a short collective timeout.
 """

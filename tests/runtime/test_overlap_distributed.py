@@ -1,5 +1,5 @@
 """``Muon(overlap="forward")`` on gloo worlds of 2 and 4 ranks: the cases are in
-``tests/worlds/dist_overlap_cases.py`` (every layout bitwise the sequential step over 20
+``tests/runtime/dist_overlap_cases.py`` (every layout bitwise the sequential step over 20
 steps under random per-rank delays; a failure raised alike on every rank)."""
 
 from __future__ import annotations
