@@ -59,9 +59,10 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GroupHyperparams:
-    """A param group's hyperparameters as the phases read them (once per round): Python
-    numbers from :func:`read_hyperparams`; a reader that keeps them on the device may hand
-    0-d tensors instead (the phases only multiply by them)."""
+    """A param group's hyperparameters as the phases read them, once per round (Python
+    numbers: the phases branch on a zero decay and pass lr to ``alpha=``). The runner's
+    reader (``StepRunner.hyperparams``, :func:`read_hyperparams` by default) is the one
+    place they come from."""
 
     lr: float
     weight_decay: float

@@ -7,7 +7,8 @@ changes), the agreement checks, the step counters, the pipeline or the overlappe
 are the runner's to fill:
 
 - ``hyperparams``: how a round reads its groups' hyperparameters (lr, weight decay,
-  momentum, Nesterov) for the phases (``runtime/phases.py``'s ``GroupHyperparams``);
+  momentum, Nesterov) for the phases (``runtime/phases.py``'s ``GroupHyperparams``: host
+  numbers today; device-resident values would come in here, with phases that take them);
 - ``owner_update``: what the owner of a matrix computes from its whole direction, by
   default Newton–Schulz per partition block (``StepContext.orthogonalize``); a variant
   update (a row normalisation after the iteration, say) replaces this one function.
