@@ -192,12 +192,13 @@ class _MuonConfig(BaseModel):
     def _strict_settings(cls, value: Any, info: ValidationInfo) -> Any:
         # The setting's own check before pydantic's coercion (which would take True as 1).
         name = info.field_name
-        value = _number(name, value) if name == "update_rms" else value
+        if name == "update_rms":  # parsed text and 1-element tensors, as the other numbers
+            return _checked_number(name, _number(name, value), None, positive=True)
         try:
             setting_field(name).metadata["accepts"].check(name, value)
         except TypeError as err:  # pydantic reports ValueErrors against the field
             raise ValueError(str(err)) from None
-        return float(value) if name == "update_rms" else value
+        return value
 
     @model_validator(mode="after")
     def _settings_together(self) -> _MuonConfig:

@@ -28,11 +28,12 @@ from shardmuon.runtime.state import (
     plain_settings,
     restore_fp32_state,
     run_load_pre_hooks,
+    saved_settings,
     with_setting_tensors,
 )
 from shardmuon.runtime.stepper import StepRunner
 from shardmuon.runtime.telemetry import StepStats
-from shardmuon.settings import SETTING_NAMES, MuonSettings, setting_doc, settings_args
+from shardmuon.settings import SETTING_NAMES, MuonSettings, setting_property, settings_args
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.validation import (
     MOMENTUM_ALIAS,
@@ -90,6 +91,12 @@ class Muon(Optimizer):
     and every other matrix gets exactly its update; its momentum keeps the non-finite
     values (zero it or restore a checkpoint). Huge finite grads (1e18) do not overflow.
     A Sinkhorn table likewise: left unchanged on every rank that holds it, and counted.
+
+    Every setting below ``max_concurrent_tasks`` is an attribute of the same name (``warmup``:
+    ``warmup_setting``) that reads ``settings``; assigning one checks it and replaces
+    ``settings`` (a bad value raises there and changes nothing). Settings checked together
+    change at once: ``opt.settings = opt.settings.replace(newton_schulz_impl="folded",
+    newton_schulz_restarts=None)``.
     """
 
     def __init__(
@@ -376,24 +383,14 @@ class Muon(Optimizer):
         saved = state.pop(SETTINGS_KEY, None)
         super().__setstate__(state)
         if saved is not None:
-            self.settings, given = saved
+            self.settings, given = saved_settings(saved)
             self.runner = StepRunner(self, **given)
             self.runner.ensure_plan()
-
-
-def _setting_property(name: str, field_name: str) -> property:
-    def read(self: Muon) -> Any:
-        return getattr(self.settings, field_name)
-
-    def assign(self: Muon, value: Any) -> None:
-        self.settings = self.settings.replace(**{field_name: value})
-
-    return property(read, assign, doc=setting_doc(field_name))
 
 
 # Every setting is an attribute of the same name (``warmup``, a method, as ``warmup_setting``):
 # assigning one checks it and replaces ``settings``; a bad value raises and changes nothing.
 for _field_name in SETTING_NAMES:
     _name = "warmup_setting" if _field_name == "warmup" else _field_name
-    setattr(Muon, _name, _setting_property(_name, _field_name))
+    setattr(Muon, _name, setting_property(_field_name))
 Muon.__doc__ = (Muon.__doc__ or "").replace(" " * 8 + "{settings}", settings_args(indent=8))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import sys
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ __all__ = [
     "check_int",
     "setting_doc",
     "setting_field",
+    "setting_property",
     "setting_summary",
     "settings_args",
 ]
@@ -137,7 +139,7 @@ def _flag(words: str, *accepted: Any) -> Accepts:
 def _positive_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}")
-    if isinstance(value, int) and abs(value) >= 2**1024:  # no float holds it
+    if isinstance(value, int) and abs(value) > sys.float_info.max:  # no float holds it
         raise ValueError(
             f"{name} must be a finite number > 0, got an int of {len(str(abs(value)))} digits"
         )
@@ -410,6 +412,26 @@ def setting_field(name: str) -> dataclasses.Field:
         if spec.name == name:
             return spec
     raise KeyError(f"{name!r} is not a MuonSettings field; fields: {', '.join(SETTING_NAMES)}")
+
+
+def setting_property(name: str) -> property:
+    """An attribute that reads setting ``name`` from its owner's ``settings`` and, assigned,
+    replaces ``settings`` with a checked copy. The Newton–Schulz settings are checked
+    together, so a refusal there says how to change several at once."""
+
+    def read(owner: Any) -> Any:
+        return getattr(owner.settings, name)
+
+    def assign(owner: Any, value: Any) -> None:
+        try:
+            owner.settings = owner.settings.replace(**{name: value})
+        except (TypeError, ValueError) as err:
+            if not name.startswith("newton_schulz_"):
+                raise
+            hint = f"; to change settings checked together at once: opt.settings = opt.settings.replace({name}=..., ...)"
+            raise type(err)(f"{err}{hint}") from None
+
+    return property(read, assign, doc=setting_doc(name))
 
 
 def setting_doc(name: str) -> str:

@@ -8,6 +8,7 @@ the same message instead of hanging in an all-to-all.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,7 +79,7 @@ def check_number(
         accepted = f"a finite number {low}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be {accepted}, got {value!r}")
-    if isinstance(value, int) and abs(value) >= 2**1024:  # no float holds it
+    if isinstance(value, int) and abs(value) > sys.float_info.max:  # no float holds it
         shown = f"an int of {len(str(abs(value)))} digits"
         raise ValueError(f"{name} must be {accepted}, got {shown}")
     low_ok = value > lower if positive else value >= lower

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,6 +32,7 @@ from generic_setup import make_opt, make_params, step_both
 from torch import Tensor, nn
 
 from shardmuon import Muon
+from shardmuon.settings import MuonSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -176,3 +178,30 @@ def test_copied_optimizer_steps_like_the_original(duplicate: Callable) -> None:
     before = [p.detach().clone() for p in params]
     step_with(copied, copy_params, 3)
     assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+# A whole-optimizer copy saved by an earlier version (a dict of its attributes, made with
+# torch.save by that version: tests/fixtures/copies), with the params its original reached
+# after two more steps (one of them with an edit first: default coefficients follow the
+# preconditioner).
+EARLIER_COPIES = Path(__file__).parents[1] / "fixtures" / "copies" / "muon_copies_0523705.pt"
+
+
+@pytest.mark.parametrize(
+    "case", ["gram_restarts", "aol_default_coefficients", "given_coefficients_partitions"]
+)
+def test_a_copy_saved_by_an_earlier_version_loads_and_steps_as_its_original(case) -> None:
+    import io
+
+    record = torch.load(EARLIER_COPIES, weights_only=False)[case]
+    saved = torch.load(io.BytesIO(record["copy"]), weights_only=False)
+    params, opt = saved["params"], saved["optimizer"]
+    assert isinstance(opt.settings, MuonSettings)
+    for key, value in record["edit"].items():  # as the original was edited after the copy
+        setattr(opt, key, value)
+    for grads in record["grads"]:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    for k, (p, want) in enumerate(zip(params, record["after"])):
+        assert torch.equal(p.detach(), want), f"param {k}"

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from shardmuon.planning.placements import local_tensor
 from shardmuon.runtime.offload import host_copy
+from shardmuon.settings import MuonSettings
 
 __all__ = [
     "adopt_loaded_counts",
@@ -36,6 +37,7 @@ __all__ = [
     "load_hooks_held",
     "restore_fp32_state",
     "run_load_pre_hooks",
+    "saved_settings",
 ]
 
 # The state a parameter has under each algorithm (dion's keys).
@@ -295,6 +297,29 @@ def load_groups_to_host(
 
 # Where ``Muon.__getstate__`` puts the settings and what its runner was given.
 SETTINGS_KEY = "_shardmuon_settings"
+
+
+def saved_settings(saved: Any) -> tuple[MuonSettings, dict[str, Any]]:
+    """What ``Muon.__getstate__`` saved under :data:`SETTINGS_KEY`: ``(settings, what the
+    runner was given)``. A copy made by an earlier version saved a dict of attributes
+    (``coefficients`` resolved, the same object as ``_default_coefficients`` while they were
+    the default; ``warmup_setting``; the private ``_raw_partitions``, ``_ddp_ranks``,
+    ``_auto_record``): read too, settings it did not have yet at their defaults."""
+    if isinstance(saved, tuple):
+        settings, given = saved
+        return settings, given
+    values = dict(saved)
+    coefficients = values.pop("coefficients", None)
+    default = values.pop("_default_coefficients", None)
+    given_coefficients = None if coefficients is None or coefficients is default else coefficients
+    values["newton_schulz_coefficients"] = given_coefficients
+    values["warmup"] = values.pop("warmup_setting", None)
+    given = {
+        "partitions": values.pop("_raw_partitions", None) or {},
+        "ddp_ranks": values.pop("_ddp_ranks", None),
+        "auto_record": values.pop("_auto_record", None),
+    }
+    return MuonSettings.from_mapping(values), given
 
 
 # Group settings that schedules change as training goes (an lr warm-up, a momentum cycle):
