@@ -80,7 +80,9 @@ def test_config_refuses_naming_the_field(field, value) -> None:
     assert field in str(info.value)
 
 
-@pytest.mark.parametrize("value", [10**400, -(10**400)], ids=["huge", "huge-negative"])
+@pytest.mark.parametrize(
+    "value", [10**400, -(10**400), 2**1024 - 1], ids=["huge", "huge-negative", "beyond-float"]
+)
 @pytest.mark.parametrize("field", ["lr", "weight_decay", "epsilon", "mu", "update_rms"])
 def test_config_refuses_an_int_too_large_for_a_float_with_a_value_error(field, value) -> None:
     """Every bad config raises ValueError (the module docstring): a JSON/Python int beyond

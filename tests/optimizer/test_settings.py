@@ -39,6 +39,7 @@ CASES: list[tuple[str, Any, type[Exception] | None, str, Any]] = [
     ("update_rms", -0.2, ValueError, r"update_rms must be a finite number > 0, got -0\.2", None),
     ("update_rms", math.inf, ValueError, r"update_rms must be a finite number > 0, got inf", None),
     ("update_rms", 10**400, ValueError, r"update_rms .* an int of 401 digits", None),
+    ("update_rms", 2**1024 - 1, ValueError, r"update_rms .* an int of 309 digits", None),
     ("update_rms", True, TypeError, r"update_rms must be a number, got True", None),
     ("newton_schulz_coefficients", "keller", None, "", NS_PRESETS["keller"]),
     ("newton_schulz_coefficients", [(3.0, -4.0, 2.0)], None, "", ((3.0, -4.0, 2.0),)),
