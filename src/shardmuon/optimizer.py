@@ -33,7 +33,13 @@ from shardmuon.runtime.state import (
 )
 from shardmuon.runtime.stepper import StepRunner
 from shardmuon.runtime.telemetry import StepStats
-from shardmuon.settings import SETTING_NAMES, MuonSettings, setting_property, settings_args
+from shardmuon.settings import (
+    SETTING_NAMES,
+    MuonSettings,
+    setting_property,
+    settings_args,
+    settings_attribute,
+)
 from shardmuon.state_dict_checks import DROPPED_KEYS, checked_groups
 from shardmuon.validation import (
     MOMENTUM_ALIAS,
@@ -98,6 +104,8 @@ class Muon(Optimizer):
     change at once: ``opt.settings = opt.settings.replace(newton_schulz_impl="folded",
     newton_schulz_restarts=None)``.
     """
+
+    settings = settings_attribute()
 
     def __init__(
         self,
@@ -181,14 +189,8 @@ class Muon(Optimizer):
             value = None
         self.settings = self.settings.replace(newton_schulz_coefficients=value)
 
-    @property
-    def max_concurrent_tasks(self) -> int:
-        """prime-rl's name for :attr:`max_in_flight` (dion's ``AsyncRuntime`` tasks)."""
-        return self.settings.max_in_flight
-
-    @max_concurrent_tasks.setter
-    def max_concurrent_tasks(self, value: int) -> None:
-        self.settings = self.settings.replace(max_in_flight=value)
+    # prime-rl's name for max_in_flight (dion's AsyncRuntime tasks).
+    max_concurrent_tasks = setting_property("max_in_flight")
 
     @property
     def matrix_partitions(self) -> dict[Tensor, tuple[int, ...]]:

@@ -54,6 +54,7 @@ __all__ = [
     "setting_property",
     "setting_summary",
     "settings_args",
+    "settings_attribute",
 ]
 
 CHECK_GRADS_CHOICES = ("first", "always", "never")
@@ -412,6 +413,24 @@ def setting_field(name: str) -> dataclasses.Field:
         if spec.name == name:
             return spec
     raise KeyError(f"{name!r} is not a MuonSettings field; fields: {', '.join(SETTING_NAMES)}")
+
+
+def settings_attribute() -> property:
+    """An optimizer's ``settings`` attribute: holds a :class:`MuonSettings` and refuses
+    anything else, naming it (``opt.settings.replace(...)`` makes a changed copy)."""
+
+    def read(owner: Any) -> MuonSettings:
+        return owner.__dict__["_settings"]
+
+    def assign(owner: Any, value: Any) -> None:
+        if not isinstance(value, MuonSettings):
+            raise TypeError(
+                f"settings must be a MuonSettings (opt.settings.replace(name=value) makes a "
+                f"changed copy), got {type(value).__name__}"
+            )
+        owner.__dict__["_settings"] = value
+
+    return property(read, assign, doc="The optimizer-wide settings (a frozen ``MuonSettings``).")
 
 
 def setting_property(name: str) -> property:

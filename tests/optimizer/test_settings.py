@@ -276,3 +276,13 @@ def test_copies_carry_the_settings_object(how: str) -> None:
     assert dataclasses.asdict(copied.settings) == dataclasses.asdict(opt.settings)
     copied.update_rms = 0.5
     assert opt.update_rms == 0.2  # the copy's settings are its own
+
+
+def test_the_settings_attribute_holds_settings_only() -> None:
+    opt = Muon(_params())
+    before = opt.settings
+    with pytest.raises(TypeError, match=r"settings must be a MuonSettings .* got dict"):
+        opt.settings = {"update_rms": 0.3}
+    assert opt.settings is before
+    opt.settings = before.replace(update_rms=0.3, max_in_flight=1)  # several at once
+    assert (opt.update_rms, opt.max_in_flight) == (0.3, 1)
