@@ -1,9 +1,10 @@
 """``MuonSettings``: the optimizer-wide settings, each declared once, checked once.
 
 A setting is a field of :class:`MuonSettings`: its default, its docstring (``doc``), a
-one-line summary for command-line help (``summary``), the check that accepts or refuses a
-value (``check``), and whether it belongs to what the plan is built from (``planned``) and
-to what the ranks of a group must share (``agreed``). ``Muon`` takes each one as a keyword
+one-line summary for command-line help (``summary``), what it accepts (``accepts``: the
+check that refuses a value, naming it, and the type ``MuonConfig`` declares), a numeric
+setting's range (``range``), and whether it belongs to what the plan is built from
+(``planned``) and to what the ranks of a group must share (``agreed``). ``Muon`` takes each one as a keyword
 argument and holds one frozen ``MuonSettings``: a public attribute of the same name reads
 it, and assigning one builds a new settings object, so a bad value raises at the
 assignment and nothing changes. ``MuonConfig`` checks its optimizer-wide fields by building
@@ -38,17 +39,10 @@ from shardmuon.ops.newton_schulz import Coefficients, check_preconditioner, reso
 from shardmuon.ops.orthogonalizer import NewtonSchulzSettings
 
 __all__ = [
-    "ADAMW_CHUNKS_CHOICES",
-    "CHECK_GRADS_CHOICES",
-    "OFFLOAD_CHOICES",
-    "OVERLAP_CHOICES",
     "SETTING_NAMES",
-    "WORKSPACE_ACCEPTED",
     "Accepts",
     "MuonSettings",
     "NumberRange",
-    "check_engine_settings",
-    "check_int",
     "setting_doc",
     "setting_field",
     "setting_property",
@@ -467,7 +461,7 @@ def check_engine_settings(settings: Mapping[str, Any], steps: int) -> None:
     """The Newton–Schulz settings together (``newton_schulz_impl`` already one of
     ``NS_CHOICES``), as given: the dtype the engine runs in, restarts (checked, and only
     where the engine restarts, at most every 3 steps of a ``steps``-step schedule), the
-    preconditioner and the guard. One path for ``Muon`` and ``MuonConfig``."""
+    preconditioner and the guard."""
     impl = settings["newton_schulz_impl"]
     dtype = resolve_ns_dtype(settings["newton_schulz_dtype"])
     for engine in engines_of(impl):
