@@ -23,8 +23,6 @@ from shardmuon.ops.engines import (
     chain_itemsize,
     effective_restarts,
     engines_of,
-    resolve_ns_dtype,
-    resolve_restarts,
 )
 from shardmuon.ops.newton_schulz import Coefficients, resolve_coefficients
 from shardmuon.ops.newton_schulz_guard import Branch, GuardVerdict, guarded, guarded_on_device
@@ -38,7 +36,6 @@ __all__ = [
     "Orthogonalizer",
     "auto_choice",
     "guard_enabled",
-    "live_coefficients",
 ]
 
 # ``"auto"``'s rule: Gram where it saves enough FLOPs to pay for its guard and the device
@@ -240,19 +237,6 @@ class NewtonSchulzSettings:
     preconditioner: str | None
     coefficients: Coefficients
 
-    @classmethod
-    def from_settings(cls, settings: dict) -> NewtonSchulzSettings:
-        """Resolved from an optimizer's ``newton_schulz_*`` settings and ``coefficients``."""
-        coefficients = tuple(map(tuple, settings["coefficients"]))
-        return cls(
-            impl=settings["newton_schulz_impl"],
-            dtype=resolve_ns_dtype(settings["newton_schulz_dtype"]),
-            restarts=resolve_restarts(settings["newton_schulz_restarts"], len(coefficients)),
-            guard=settings["newton_schulz_guard"],
-            preconditioner=settings["newton_schulz_preconditioner"],
-            coefficients=coefficients,
-        )
-
     def orthogonalizer(
         self, choices: dict[tuple[int, int], str] | None = None, impl: str | None = None
     ) -> Orthogonalizer:
@@ -291,18 +275,3 @@ class NewtonSchulzSettings:
             self.restarts,
             self.guard,
         )
-
-
-def live_coefficients(
-    value, default: Coefficients | None, preconditioner: str | None
-) -> tuple[Coefficients, Coefficients | None]:
-    """``(coefficients, default)`` as the iteration reads them from a live optimizer's
-    ``coefficients`` attribute: a preset name or a list is resolved; ``None``, or the
-    default object itself, is the default, which follows the preconditioner (dion's 5
-    steps, AOL's 4) until coefficients are given."""
-    if value is None or value is default:
-        default = resolve_coefficients("aol" if preconditioner == "aol" else None)
-        return default, default
-    if isinstance(value, tuple) and all(isinstance(t, tuple) for t in value):
-        return value, default
-    return resolve_coefficients(value), default
